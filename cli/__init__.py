@@ -1,0 +1,1 @@
+"""The `edgekv` command line: thin Typer commands over the edgekv library."""

