@@ -27,6 +27,7 @@ def align(
     tau_cka: Optional[float] = typer.Option(None, help="Minimum linear CKA of a mapped pair [0]."),
     tau_rsa: Optional[float] = typer.Option(None, help="Minimum RSA of a mapped pair [0]."),
     skip_first: Optional[int] = typer.Option(None, help="Leading tokens per text left out (attention sink) [1]."),
+    outlier_ratio: Optional[float] = typer.Option(None, help="Drop tokens whose hidden norm exceeds this × the layer median; 0 keeps all [10]."),
     sample_tokens: Optional[int] = typer.Option(None, help="Seeded subsample of tokens for CKA [all]."),
     rsa_tokens: Optional[int] = typer.Option(None, help="Seeded subsample of tokens for RSA [2048]."),
     features: Optional[str] = typer.Option(None, help="Comma list of hidden, k, v, k_unrot [hidden]."),
@@ -38,7 +39,7 @@ def align(
     """Compare every cloud×edge layer pair (linear CKA, debiased CKA, RSA) and choose a layer mapping."""
     overrides = dict(cloud=cloud, edge=edge, out=str(out) if out else None, texts=str(texts) if texts else None,
                      num_texts=num_texts, max_tokens=max_tokens, strategy=strategy, start_layer=start_layer,
-                     metric=metric, tau_cka=tau_cka, tau_rsa=tau_rsa, skip_first=skip_first,
+                     metric=metric, tau_cka=tau_cka, tau_rsa=tau_rsa, skip_first=skip_first, outlier_ratio=outlier_ratio,
                      sample_tokens=sample_tokens, rsa_tokens=rsa_tokens, features=parse_list(features),
                      dtype=dtype, device_map=device_map, seed=seed)
     cfg = load_config(AlignConfig, "align", config, overrides)
@@ -46,7 +47,8 @@ def align(
         result = run_align(cfg, progress)
 
     sim, mapping = result.similarity, result.mapping
-    console.print(f"[bold]{sim['text_source']}[/]; {sim['num_texts']} texts, {sim['num_tokens']} tokens")
+    console.print(f"[bold]{sim['text_source']}[/]; {sim['num_texts']} texts, {sim['num_tokens']} tokens "
+                  f"({len(sim['dropped_tokens'])} massive-activation tokens left out)")
     table = Table(title=f"mapping: {mapping['strategy']} (max {mapping['metric']}, from edge layer "
                         f"{mapping['start_layer']})")
     for column in ("edge layer", "← cloud layer", "linear CKA", "debiased CKA", "RSA"):

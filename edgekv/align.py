@@ -18,7 +18,7 @@ from edgekv.config import command_config, to_dict
 from edgekv.mapping import STRATEGIES, MappingParams, build_mapping
 from edgekv.models import DTYPES, check_tokenizers, load_model, load_tokenizer, num_layers
 from edgekv.plots import similarity_heatmap
-from edgekv.similarity import cka_matrices, rsa_matrix, subsample_rows
+from edgekv.similarity import cka_matrices, massive_rows, rsa_matrix, subsample_rows
 from edgekv.texts import TextSource, load_text_file, sharegpt_texts
 
 METRICS = ("linear_cka", "debiased_cka", "rsa")
@@ -40,6 +40,7 @@ class AlignConfig:
     text_offset: int = 0
     max_tokens: int = 256
     skip_first: int = 1
+    outlier_ratio: float | None = 10.0  # drop tokens with a hidden norm > this × the layer median; None keeps all
     sample_tokens: int | None = None
     rsa_tokens: int = 2048
     features: list[str] = field(default_factory=lambda: ["hidden"])
@@ -63,6 +64,10 @@ class AlignConfig:
             raise EdgeKVError(f"--text-offset must be ≥ 0, got {self.text_offset}")
         if self.sample_tokens is not None and self.sample_tokens < 4:
             raise EdgeKVError(f"--sample-tokens must be ≥ 4 (debiased CKA needs 4 tokens), got {self.sample_tokens}")
+        if self.outlier_ratio == 0:
+            self.outlier_ratio = None  # 0 on the command line: keep every token
+        if self.outlier_ratio is not None and self.outlier_ratio <= 1.0:
+            raise EdgeKVError(f"--outlier-ratio must be > 1, or 0 to keep every token; got {self.outlier_ratio}")
         if self.rsa_tokens < 3:
             raise EdgeKVError(f"--rsa-tokens must be ≥ 3, got {self.rsa_tokens}")
         if self.start_layer is not None and self.start_layer < 0:
@@ -146,6 +151,22 @@ def similarity_all(cloud_layers, edge_layers, cfg: AlignConfig, steps: _Steps, l
     return matrices
 
 
+def drop_massive_tokens(cloud_acts, edge_acts, max_ratio: float | None, tokenizer) -> list[dict]:
+    """Remove massive-activation tokens from both models' activations (same rows); return what was dropped."""
+    if max_ratio is None:
+        return []
+    mask = massive_rows([cloud_acts.layers["hidden"], edge_acts.layers["hidden"]], max_ratio)
+    if int(mask.sum()) > edge_acts.num_tokens - 4:
+        raise EdgeKVError(f"--outlier-ratio {max_ratio} would leave fewer than 4 tokens")
+    dropped = [{"text": int(edge_acts.text_index[i]), "position": int(edge_acts.positions[i]),
+                "token": tokenizer.decode([int(edge_acts.token_ids[i])])} for i in mask.nonzero().flatten()]
+    keep = ~mask
+    for acts in (cloud_acts, edge_acts):
+        acts.layers = {f: [t[keep] for t in layers] for f, layers in acts.layers.items()}
+        acts.token_ids, acts.positions, acts.text_index = acts.token_ids[keep], acts.positions[keep], acts.text_index[keep]
+    return dropped
+
+
 def _write_csv(path: Path, matrix: torch.Tensor) -> None:
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
@@ -187,6 +208,7 @@ def run_align(cfg: AlignConfig, progress=None) -> AlignResult:
             cfg.cloud, cfg, seqs, features, select, steps, "cloud")
         edge_acts, edge_info, timings["edge_forward_s"] = _capture_model(
             cfg.edge, cfg, seqs, features, select, steps, "edge")
+        dropped = drop_massive_tokens(cloud_acts, edge_acts, cfg.outlier_ratio, tok)
         start = time.perf_counter()
         matrices: dict[str, torch.Tensor] = {}
         for feature in features:
@@ -210,6 +232,8 @@ def run_align(cfg: AlignConfig, progress=None) -> AlignResult:
             "text_source": source.description,
             "max_tokens": cfg.max_tokens,
             "skip_first": cfg.skip_first,
+            "outlier_ratio": cfg.outlier_ratio,
+            "dropped_tokens": dropped,
             "rsa_tokens": min(cfg.rsa_tokens, edge_acts.num_tokens),
             "seed": cfg.seed,
             "timings": timings,

@@ -182,3 +182,18 @@ def rsa_matrix(
     for r, x in enumerate(xs):
         out[r] = cols @ standardized(x)
     return out
+
+
+def massive_rows(layer_groups: list[list[torch.Tensor]], max_ratio: float) -> torch.Tensor:
+    """Rows (tokens) whose norm exceeds max_ratio × its layer's median norm in any layer of any group.
+
+    Such 'massive activations' (Sun et al. 2024: the first delimiter, attention sinks) are a handful of tokens
+    whose squared norms are hundreds of times the rest; left in, they decide linear CKA on their own.
+    """
+    n = layer_groups[0][0].shape[0]
+    worst = torch.zeros(n, dtype=torch.float64)
+    for layers in layer_groups:
+        for h in layers:
+            norms = h.to(torch.float64).norm(dim=1)
+            worst = torch.maximum(worst, norms / norms.median().clamp_min(1e-30))
+    return worst > max_ratio

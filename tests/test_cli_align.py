@@ -45,7 +45,8 @@ def test_unbuilt_commands_exit_nonzero(name):
 def test_align_writes_everything(tiny_models, calib_file, tmp_path):
     out = tmp_path / "align"
     result = _run("align", "--cloud", tiny_models["cloud"], "--edge", tiny_models["edge"], "--out", out,
-                  "--texts", calib_file, "--max-tokens", 40, "--start-layer", 1, "--features", "hidden,k_unrot,v")
+                  "--texts", calib_file, "--max-tokens", 40, "--start-layer", 1, "--features", "hidden,k_unrot,v",
+                  "--outlier-ratio", 0)
     assert result.exit_code == 0, result.output
     names = {p.name for p in out.iterdir()}
     for metric in ("linear_cka", "debiased_cka", "rsa", "k_unrot.linear_cka", "v.rsa"):
@@ -54,6 +55,7 @@ def test_align_writes_everything(tiny_models, calib_file, tmp_path):
     assert sim["cloud"]["num_layers"] == 4 and sim["edge"]["num_layers"] == 3
     assert len(sim["metrics"]["linear_cka"]) == 4 and len(sim["metrics"]["linear_cka"][0]) == 3  # rows = cloud
     assert sim["num_tokens"] == 6 * (40 - 1)  # skip_first=1 leaves out each text's first token
+    assert sim["outlier_ratio"] is None and sim["dropped_tokens"] == []
     mapping = json.loads((out / "mapping.json").read_text())
     assert [p["edge_layer"] for p in mapping["pairs"]] == [1, 2]
     csv_rows = (out / "linear_cka.csv").read_text().splitlines()

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from edgekv.similarity import PROPERTIES, cka_matrices, debiased_cka, linear_cka, rsa, rsa_matrix
+from edgekv.similarity import PROPERTIES, cka_matrices, debiased_cka, linear_cka, massive_rows, rsa, rsa_matrix
 
 MEASURES = {"linear_cka": linear_cka, "debiased_cka": debiased_cka, "rsa": rsa}
 
@@ -111,3 +111,15 @@ def test_rsa_subsample_is_seeded():
     x, y, _ = _data(n=300)
     assert rsa(x, y, max_tokens=40, seed=1) == rsa(x, y, max_tokens=40, seed=1)
     assert rsa(x, y, max_tokens=40, seed=1) != rsa(x, y, max_tokens=40, seed=2)
+
+
+def test_massive_rows_flags_planted_outliers_and_they_dominate_cka():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(400, 16, generator=g, dtype=torch.float64)
+    y = torch.randn(400, 12, generator=g, dtype=torch.float64)  # unrelated to x
+    x[7] *= 60.0
+    y[7] *= 60.0  # one shared massive token
+    mask = massive_rows([[x], [y]], 10.0)
+    assert mask.nonzero().flatten().tolist() == [7]
+    assert linear_cka(x, y) > 0.5  # a single token makes unrelated layers look alike
+    assert linear_cka(x[~mask], y[~mask]) < 0.1

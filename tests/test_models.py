@@ -1,0 +1,66 @@
+"""Model loading pieces that need no real weights."""
+
+import hashlib
+import sys
+
+import pytest
+
+from edgekv import EdgeKVError
+from edgekv.models import PackagedGGUF, assemble_gguf, check_tokenizers, load_model, parse_dtype
+from tests.conftest import byte_tokenizer
+
+
+@pytest.fixture()
+def fake_parts(tmp_path, monkeypatch):
+    """Three importable-looking part packages holding data/partNN.bin, never imported."""
+    site = tmp_path / "site"
+    chunks = [b"GGUF", b"\x00" * 1000, b"tail-bytes"]
+    for i, chunk in enumerate(chunks, start=1):
+        pkg = site / f"fake_edgekv_part{i}"
+        (pkg / "data").mkdir(parents=True)
+        (pkg / "__init__.py").write_text("raise RuntimeError('data carriers must not be imported')\n")
+        (pkg / "data" / f"part{i:02d}.bin").write_bytes(chunk)
+    monkeypatch.syspath_prepend(str(site))
+    return b"".join(chunks)
+
+
+def test_assemble_in_order_and_verify(fake_parts, tmp_path):
+    entry = PackagedGGUF("fake", tuple(f"fake_edgekv_part{i}" for i in (1, 2, 3)), "m.gguf",
+                         hashlib.sha256(fake_parts).hexdigest(), "fake")
+    out = assemble_gguf(entry, tmp_path / "a")
+    assert out.read_bytes() == fake_parts
+    assert not any(name.startswith("fake_edgekv_part") for name in sys.modules)
+
+
+def test_assemble_refuses_wrong_checksum(fake_parts, tmp_path):
+    entry = PackagedGGUF("fake", tuple(f"fake_edgekv_part{i}" for i in (3, 2, 1)), "m.gguf",
+                         hashlib.sha256(fake_parts).hexdigest(), "fake")  # wrong order → wrong bytes
+    with pytest.raises(EdgeKVError, match="sha256"):
+        assemble_gguf(entry, tmp_path / "b")
+    assert not (tmp_path / "b" / "m.gguf").exists()
+
+
+def test_missing_part_package(tmp_path):
+    entry = PackagedGGUF("fake", ("no_such_edgekv_part_pkg",), "m.gguf", "0" * 64, "fake")
+    with pytest.raises(EdgeKVError, match="not installed"):
+        assemble_gguf(entry, tmp_path)
+
+
+def test_tokenizer_check():
+    check_tokenizers(byte_tokenizer(), byte_tokenizer())
+    with pytest.raises(EdgeKVError, match="incompatible tokenizers"):
+        check_tokenizers(byte_tokenizer(), byte_tokenizer(permute=True))
+
+
+def test_bad_specs(tmp_path):
+    with pytest.raises(EdgeKVError, match="unknown dtype"):
+        parse_dtype("float8")
+    with pytest.raises(EdgeKVError, match="model file not found"):
+        load_model(str(tmp_path / "missing.gguf"))
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(EdgeKVError, match="not a directory, a .gguf file or a known alias"):
+        load_model(str(tmp_path / "weights.bin"))
+    empty = tmp_path / "empty_dir"
+    empty.mkdir()
+    with pytest.raises(EdgeKVError, match="cannot load model"):
+        load_model(str(empty))

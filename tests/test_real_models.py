@@ -1,0 +1,33 @@
+"""The offline default pair (Qwen2.5-Coder 1.5B cloud / 0.5B edge from PyPI part packages), for real."""
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def test_align_on_the_default_pair(tmp_path):
+    out = tmp_path / "align"
+    result = CliRunner().invoke(app, ["align", "--config", str(ROOT / "configs/default.yaml"), "--out", str(out),
+                                      "--num-texts", "3", "--max-tokens", "64"])
+    assert result.exit_code == 0, result.output
+    sim = json.loads((out / "similarity.json").read_text())
+    assert (sim["cloud"]["num_layers"], sim["edge"]["num_layers"]) == (28, 24)
+    assert sim["cloud"]["fingerprint"].startswith("gguf-sha256:cc324af0")
+    cka = sim["metrics"]["linear_cka"]
+    assert len(cka) == 28 and all(len(row) == 24 for row in cka)
+    assert all(-1.0 <= v <= 1.0 + 1e-9 for row in cka for v in row)
+    # depth lines up: the first edge block resembles an early cloud block, the last a late one
+    column = lambda j: [cka[i][j] for i in range(28)]  # noqa: E731
+    assert max(range(28), key=lambda i: column(0)[i]) < 7
+    assert max(range(28), key=lambda i: column(23)[i]) >= 21
+    mapping = json.loads((out / "mapping.json").read_text())
+    chosen = [p["cloud_layer"] for p in mapping["pairs"]]
+    assert [p["edge_layer"] for p in mapping["pairs"]] == list(range(12, 24))
+    assert chosen == sorted(chosen)
