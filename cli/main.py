@@ -7,6 +7,7 @@ from transformers.utils import logging as hf_logging
 
 
 from cli.align import align
+from cli.compress import compress
 from cli.common import fail
 
 app = typer.Typer(
@@ -17,6 +18,7 @@ app = typer.Typer(
     add_completion=False,
 )
 app.command("align")(align)
+app.command("compress")(compress)
 hf_logging.disable_progress_bar()  # our own rich bars report progress; HF's tqdm lines would interleave
 
 
@@ -28,7 +30,6 @@ def _not_yet(name: str, issue: str):
     return command
 
 
-app.command("compress")(_not_yet("compress", "ThinK pruning, quantization, cross-model KV export"))
 app.command("serve-edge")(_not_yet("serve-edge", "decoding on spliced caches, pipelined loading, HTTP/batch"))
 app.command("eval")(_not_yet("eval", "strategies × XSum/MMLU/ShareGPT, Table II, latency curves"))
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-FEATURES = ("hidden", "k", "v", "k_unrot")
+FEATURES = ("hidden", "k", "v", "k_unrot", "q", "q_unrot")
 
 
 @dataclass
@@ -99,21 +99,38 @@ def capture(
     num_layers = model.config.num_hidden_layers
     device = next(model.parameters()).device
     chunks: dict[str, list[list[torch.Tensor]]] = {f: [[] for _ in range(num_layers)] for f in features}
-    need_cache = any(f != "hidden" for f in features)
+    need_cache = any(f in ("k", "v", "k_unrot") for f in features)
     block_out: list[torch.Tensor] = []
+    query_out: list[torch.Tensor] = []
     handles = []
     if "hidden" in features:
         # hooks, not output_hidden_states: that tuple's last entry is the final-norm output, not the block's
-        handles = [layer.register_forward_hook(lambda m, i, o: block_out.append(o[0] if isinstance(o, tuple) else o))
-                   for layer in decoder_layers(model)]
+        handles += [layer.register_forward_hook(lambda m, i, o: block_out.append(o[0] if isinstance(o, tuple) else o))
+                    for layer in decoder_layers(model)]
+    if "q" in features or "q_unrot" in features:
+        handles += [layer.self_attn.q_proj.register_forward_hook(lambda m, i, o: query_out.append(o))
+                    for layer in decoder_layers(model)]
     try:
-        return _capture(model, sequences, features, select, on_text, chunks, block_out, need_cache, device)
+        return _capture(model, sequences, features, select, on_text, chunks, (block_out, query_out), need_cache,
+                        device)
     finally:
         for h in handles:
             h.remove()
 
 
-def _capture(model, sequences, features, select, on_text, chunks, block_out, need_cache, device) -> Activations:
+def _queries(model: torch.nn.Module, raw: torch.Tensor, rotate: bool) -> torch.Tensor:
+    """q_proj output (1, s, heads·hd) → (1, heads, s, hd), rotated at positions 0..s-1 when asked."""
+    heads = model.config.num_attention_heads
+    q = raw.reshape(1, raw.shape[1], heads, -1).transpose(1, 2).float()
+    if rotate:
+        cs = rotary_cos_sin(model, torch.arange(raw.shape[1], device=raw.device)[None], q)
+        if cs is not None:
+            q = rotate_keys(q, *cs)  # queries rotate exactly as keys do
+    return q
+
+
+def _capture(model, sequences, features, select, on_text, chunks, hooked, need_cache, device) -> Activations:
+    block_out, query_out = hooked
     num_layers = model.config.num_hidden_layers
     ids_out, pos_out, text_out = [], [], []
     for t, seq in enumerate(sequences):
@@ -121,10 +138,15 @@ def _capture(model, sequences, features, select, on_text, chunks, block_out, nee
         keep = select(t, seq.numel()) if select else None
         keep = torch.arange(seq.numel()) if keep is None else keep
         block_out.clear()
+        query_out.clear()
         out = model(input_ids=seq[None].to(device), use_cache=need_cache)
         if "hidden" in features:
             for i in range(num_layers):
                 chunks["hidden"][i].append(block_out[i][0, keep].float().cpu())
+        for name, rotate in (("q", True), ("q_unrot", False)):
+            if name in chunks:
+                for i in range(num_layers):
+                    chunks[name][i].append(_flatten_heads(_queries(model, query_out[i], rotate))[keep])
         if need_cache:
             cache = out.past_key_values
             positions = torch.arange(seq.numel(), device=device)[None]

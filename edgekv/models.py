@@ -155,10 +155,30 @@ def default_model_dir(alias: str) -> Path:
     return target
 
 
-def _fingerprint(spec: str, source: str) -> str:
-    if source.startswith("default:"):
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fingerprint(spec: str, source: str, model: torch.nn.Module) -> str:
+    """Weights fingerprint: the GGUF sha256 (defaults, .gguf files), or the sha256 of a directory's weight files,
+    or hub id + commit; a KV export records it so the edge can refuse a cache made for another model."""
+    kind, _, where = source.partition(":")
+    if kind == "default":
         return "gguf-sha256:" + DEFAULT_MODELS[spec].sha256
-    return "spec:" + hashlib.sha256(source.encode()).hexdigest()
+    if kind == "gguf":
+        return "gguf-sha256:" + _file_sha256(Path(where))
+    if kind == "dir":
+        files = sorted(p for p in Path(where).iterdir() if p.suffix in (".safetensors", ".bin", ".pt"))
+        digest = hashlib.sha256()
+        for f in files:
+            digest.update(f"{f.name}:{_file_sha256(f)}\n".encode())
+        return "files-sha256:" + digest.hexdigest()
+    commit = getattr(model.config, "_commit_hash", None) or "unknown-commit"
+    return f"hub:{where}@{commit}"
 
 
 @dataclass(frozen=True)
@@ -237,7 +257,7 @@ def load_model(spec: str, dtype: str = "bfloat16", device_map: str | None = None
     model.hf_quantizer = None  # a GGUF load is dequantized into plain tensors
     model.eval()
     return LoadedModel(spec=spec, model=model, tokenizer=load_tokenizer(spec), source=r.source,
-                       fingerprint=_fingerprint(spec, r.source))
+                       fingerprint=_fingerprint(spec, r.source, model))
 
 
 PROBE_TEXT = (

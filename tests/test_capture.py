@@ -60,3 +60,17 @@ def test_model_against_itself_has_unit_diagonal():
     b = capture(model, seqs, ("hidden",))
     for i in range(3):
         assert abs(linear_cka(a.layers["hidden"][i], b.layers["hidden"][i]) - 1.0) < 1e-9
+
+
+def test_queries_match_attention_internals():
+    # rotated queries · rotated keys, scaled, must reproduce the model's own attention logits
+    model = tiny_qwen2(1, 32, 4, 2, seed=0).float()
+    model.config._attn_implementation = "eager"
+    seq = torch.randint(0, 256, (9,))
+    out = model(seq[None], output_attentions=True)
+    acts = capture(model, [seq], ("q", "k"))
+    q = acts.layers["q"][0].reshape(9, 4, 8).transpose(0, 1)
+    k = acts.layers["k"][0].reshape(9, 2, 8).transpose(0, 1).repeat_interleave(2, dim=0)
+    logits = (q @ k.transpose(1, 2)) / 8 ** 0.5
+    logits = logits + torch.triu(torch.full((9, 9), float("-inf")), diagonal=1)
+    assert torch.allclose(torch.softmax(logits, -1), out.attentions[0][0], atol=1e-5)

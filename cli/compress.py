@@ -1,0 +1,63 @@
+"""`edgekv compress`: ThinK-pruned, quantized, mapped cloud KV of a system prompt, as a KV export."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from cli.common import console, one_line_errors, progress_bar
+from edgekv.compress import CompressConfig, run_compress
+from edgekv.config import load_config
+
+
+@one_line_errors
+def compress(
+    cloud: Optional[str] = typer.Option(None, help="Cloud model: alias, hub id, directory or .gguf."),
+    edge: Optional[str] = typer.Option(None, help="Edge model; equal to --cloud gives an exact same-model export."),
+    system_prompt: Optional[str] = typer.Option(None, help="The system prompt: TEXT or @FILE."),
+    out: Optional[Path] = typer.Option(None, help="Export directory (or .tar with --tar), written atomically."),
+    mapping: Optional[Path] = typer.Option(None, help="mapping.json of `edgekv align` [uniform / identity]."),
+    start_layer: Optional[int] = typer.Option(None, help="First edge layer taken from the cloud (m)."),
+    prune_ratio: Optional[float] = typer.Option(None, help="ThinK key-channel pruning ratio λ in [0, 1) [0]."),
+    window: Optional[int] = typer.Option(None, help="ThinK observation window: last w prompt positions [32]."),
+    keep_recent: Optional[int] = typer.Option(None, help="Last r tokens keep every key channel [0]."),
+    quant: Optional[str] = typer.Option(None, help="fp16, bf16, int8 or int4 [fp16]."),
+    map_on: Optional[str] = typer.Option(None, help="Apply the cross-model map on the cloud or the edge [cloud]."),
+    calib: Optional[Path] = typer.Option(None, help="Calibration texts for the maps (.jsonl/.txt) [ShareGPT]."),
+    calib_texts: Optional[int] = typer.Option(None, help="Calibration texts [16]."),
+    calib_tokens: Optional[int] = typer.Option(None, help="Tokens per calibration text [256]."),
+    tar: Optional[bool] = typer.Option(None, "--tar/--no-tar", help="Write one .tar instead of a directory."),
+    dtype: Optional[str] = typer.Option(None, help="bfloat16, float16 or float32 [bfloat16]."),
+    device_map: Optional[str] = typer.Option(None, help="accelerate device map for large models, e.g. auto."),
+    seed: Optional[int] = typer.Option(None, help="Seed [0]."),
+    config: Optional[Path] = typer.Option(None, help="YAML config (flags override it)."),
+) -> None:
+    """Compress the cloud's system-prompt KV (ThinK pruning, quantization, cross-model maps) into a KV export."""
+    overrides = dict(cloud=cloud, edge=edge, system_prompt=system_prompt, out=str(out) if out else None,
+                     mapping=str(mapping) if mapping else None, start_layer=start_layer, prune_ratio=prune_ratio,
+                     window=window, keep_recent=keep_recent, quant=quant, map_on=map_on,
+                     calib=str(calib) if calib else None, calib_texts=calib_texts, calib_tokens=calib_tokens,
+                     tar=tar, dtype=dtype, device_map=device_map, seed=seed)
+    cfg = load_config(CompressConfig, "compress", config, overrides)
+    with progress_bar() as progress:
+        report = run_compress(cfg, progress)
+    table = Table(title=f"{report['regime']} export: {report['system_prompt_tokens']} system-prompt tokens")
+    columns = ["edge ← cloud", "kept ch.", "attn err (prune)", "attn err (total)", "value err", "bytes"]
+    if report["regime"] == "heterogeneous":
+        columns += ["R² K", "R² V"]
+    for column in columns:
+        table.add_column(column, justify="right")
+    for r in report["layers"]:
+        cells = [f"{r['edge_layer']} ← {r['cloud_layer']}", f"{r['kept_channels']}/{r['head_dim']}",
+                 f"{r['attn_error_prune']:.4f}", f"{r['attn_error_total']:.4f}", f"{r['value_error']:.4f}",
+                 f"{r['bytes']:,}"]
+        if "r2_k" in r:
+            cells += [f"{r['r2_k']:.3f}", f"{r['r2_v']:.3f}"]
+        table.add_row(*cells)
+    console.print(table)
+    console.print(f"bytes: {report['bytes_written']:,} written vs {report['raw_fp16_cloud_bytes']:,} raw fp16 cloud KV "
+                  f"({report['ratio_vs_cloud_fp16']:.2f}×; {report['ratio_vs_shipped_fp16']:.2f}× vs the shipped "
+                  f"tensors in fp16) → {report['out']}")

@@ -1,0 +1,389 @@
+"""`edgekv compress`: the cloud's system-prompt KV, mapped, ThinK-pruned and quantized, as a KV export.
+
+Two regimes (DESIGN.md §1). Same model: the export holds the model's own KV of layers m..L-1, exact up to
+pruning/quantization. Heterogeneous: each edge layer i ≥ m takes the KV of its matched cloud layer j, through
+ridge maps fitted on calibration texts (un-rotated keys; the edge's rotary re-applied at the target positions),
+applied on the cloud (ship edge-shaped KV) or on the edge (ship pruned cloud KV + the maps).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from edgekv import EdgeKVError
+from edgekv.atomic import write_text_atomic
+from edgekv.capture import Activations, capture, rotary_cos_sin, rotate_keys
+from edgekv.config import command_config, to_dict
+from edgekv.kvmap import RidgeMap, fit_ridge, split_by_text
+from edgekv.kvstore import layer_file, token_ids_sha256, tokenizer_fingerprint, write_export
+from edgekv.mapping import MappingParams, build_mapping
+from edgekv.models import DTYPES, LoadedModel, check_tokenizers, load_model
+from edgekv.pruning import attention_error, check_ratio, prune_keys, think_scores, think_select
+from edgekv.quant import SCHEMES, Quantized, dequantize, quantize
+from edgekv.texts import load_text_file, sharegpt_texts
+
+
+@command_config("compress")
+@dataclass
+class CompressConfig:
+    """Everything `edgekv compress` needs; see configs/default.yaml."""
+
+    out: str | None = None
+    cloud: str = "default-cloud"
+    edge: str = "default-edge"
+    dtype: str = "bfloat16"
+    device_map: str | None = None
+    system_prompt: str | None = None  # the text, or @path of a UTF-8 file
+    mapping: str | None = None  # mapping.json of `edgekv align`; None: uniform (heterogeneous) / identity (same)
+    start_layer: int | None = None  # None: the mapping's, or 0 for the same model
+    prune_ratio: float = 0.0
+    window: int = 32
+    keep_recent: int = 0
+    quant: str = "fp16"
+    map_on: str = "cloud"
+    calib: str | None = None  # calibration texts for the maps; None: ShareGPT
+    calib_texts: int = 16
+    calib_tokens: int = 256
+    calib_offset: int = 0
+    tar: bool = False
+    seed: int = 0
+
+    def validate(self) -> None:
+        """One-line errors for out-of-range values, before any model is loaded."""
+        if not self.out:
+            raise EdgeKVError("--out is required")
+        if self.system_prompt is None:
+            raise EdgeKVError("--system-prompt is required (TEXT or @FILE)")
+        check_ratio(self.prune_ratio)
+        if self.window < 1:
+            raise EdgeKVError(f"--window must be ≥ 1, got {self.window}")
+        if self.keep_recent < 0:
+            raise EdgeKVError(f"--keep-recent must be ≥ 0, got {self.keep_recent}")
+        if self.quant not in SCHEMES:
+            raise EdgeKVError(f"unknown --quant '{self.quant}' (choose from {', '.join(SCHEMES)})")
+        if self.map_on not in ("cloud", "edge"):
+            raise EdgeKVError(f"--map-on must be 'cloud' or 'edge', got '{self.map_on}'")
+        if self.dtype not in DTYPES:
+            raise EdgeKVError(f"unknown dtype '{self.dtype}' (choose from {', '.join(DTYPES)})")
+        if self.calib_texts < 3 or self.calib_tokens < 2:
+            raise EdgeKVError("--calib-texts must be ≥ 3 and --calib-tokens ≥ 2 (maps need train/validation/test)")
+        if self.start_layer is not None and self.start_layer < 0:
+            raise EdgeKVError(f"--start-layer must be ≥ 0, got {self.start_layer}")
+
+
+def read_system_prompt(value: str) -> str:
+    """TEXT, or @PATH of a UTF-8 file; refuses an empty prompt."""
+    if value.startswith("@"):
+        path = Path(value[1:])
+        if not path.is_file():
+            raise EdgeKVError(f"system prompt file not found: {path}")
+        try:
+            value = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise EdgeKVError(f"{path}: not UTF-8 text") from exc
+    if not value.strip():
+        raise EdgeKVError("the system prompt is empty")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------- shapes
+
+
+def attn_shape(model: torch.nn.Module) -> tuple[int, int, int]:
+    """(query heads, KV heads, head_dim) of a model's attention."""
+    c = model.config
+    heads = c.num_attention_heads
+    return heads, getattr(c, "num_key_value_heads", None) or heads, getattr(c, "head_dim", None) or c.hidden_size // heads
+
+
+def split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """(tokens, heads·d) → (heads, tokens, d)."""
+    return x.reshape(x.shape[0], heads, -1).transpose(0, 1).contiguous()
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """(heads, tokens, d) → (tokens, heads·d)."""
+    return x.transpose(0, 1).reshape(x.shape[1], -1)
+
+
+def apply_rotary(model: torch.nn.Module, keys: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """Rotate (heads, tokens, d) un-rotated keys with `model`'s rotary at positions start.. (identity without)."""
+    positions = torch.arange(start, start + keys.shape[1])[None]
+    cs = rotary_cos_sin(model, positions, keys[None].float())
+    return keys if cs is None else rotate_keys(keys[None].float(), *cs)[0]
+
+
+# ---------------------------------------------------------------------------------------------- encoding
+
+
+@dataclass
+class LayerKV:
+    """What is shipped for one edge layer before encoding: keys/values (heads, tokens, d) and the queries that
+    score key channels (observation window) and measure the pruning error (held out)."""
+
+    edge_layer: int
+    cloud_layer: int
+    keys: torch.Tensor
+    values: torch.Tensor
+    q_obs: torch.Tensor
+    q_heldout: torch.Tensor
+    space: str  # "edge" (edge-shaped, rotated) or "cloud-unrotated" (map runs on the edge)
+    maps: tuple[RidgeMap, RidgeMap] | None = None
+    map_info: dict | None = None
+
+
+def _quant_tensors(prefix: str, q: Quantized) -> dict[str, torch.Tensor]:
+    out = {f"{prefix}.data": q.data}
+    if q.scale is not None:
+        out[f"{prefix}.scale"] = q.scale
+    return out
+
+
+def encode_layer(kv: LayerKV, prune_ratio: float, quant: str, keep_recent: int) -> tuple[dict, dict, dict]:
+    """ThinK-prune and quantize one layer → (safetensors tensors, manifest entry, report row)."""
+    keep_recent = min(keep_recent, kv.keys.shape[1])
+    index = think_select(think_scores(kv.q_obs, kv.keys), prune_ratio)
+    pruned = prune_keys(kv.keys.float(), index, keep_recent)
+    kq = quantize(pruned.kept, quant, axis="channel")
+    vq = quantize(kv.values.float(), quant, axis="token")
+    tensors = {**_quant_tensors("key", kq), **_quant_tensors("value", vq)}
+    entry = {
+        "edge_layer": kv.edge_layer, "cloud_layer": kv.cloud_layer, "space": kv.space,
+        "key": {**kq.params(), "head_dim": pruned.head_dim, "kept_channels": index.tolist(), "recent": keep_recent},
+        "value": vq.params(),
+    }
+    if keep_recent:
+        rq = quantize(pruned.recent, quant, axis="channel")
+        tensors.update(_quant_tensors("key_recent", rq))
+        entry["key_recent"] = rq.params()
+    if kv.maps is not None:
+        tensors.update({**kv.maps[0].tensors("map.k"), **kv.maps[1].tensors("map.v")})
+        entry["map"] = {"kind": "ridge", "alpha_k": kv.maps[0].alpha, "alpha_v": kv.maps[1].alpha}
+    # errors on held-out queries: channel pruning alone, then pruning + quantization of the keys
+    k_hat = dequantize(kq)
+    restored = type(pruned)(k_hat, index, dequantize(rq) if keep_recent else pruned.recent, pruned.head_dim)
+    full = kv.keys.float()
+    group = kv.q_heldout.shape[0] // full.shape[0]
+    logits = kv.q_heldout.double() @ full.double().repeat_interleave(group, 0).transpose(1, 2)
+    logits_hat = kv.q_heldout.double() @ restored.zero_filled().double().repeat_interleave(group, 0).transpose(1, 2)
+    row = {
+        "edge_layer": kv.edge_layer, "cloud_layer": kv.cloud_layer,
+        "kept_channels": int(index.shape[1]), "head_dim": pruned.head_dim,
+        "attn_error_prune": attention_error(kv.q_heldout, full[:, : full.shape[1] - keep_recent], index),
+        "attn_error_total": float((logits - logits_hat).norm() / logits.norm().clamp_min(1e-300)),
+        "value_error": float((dequantize(vq) - kv.values.float()).norm() / kv.values.float().norm().clamp_min(1e-30)),
+        "bytes": kq.nbytes + vq.nbytes + (rq.nbytes if keep_recent else 0),
+        **(kv.map_info or {}),
+    }
+    return tensors, entry, row
+
+
+# ---------------------------------------------------------------------------------------------- sources
+
+
+def _window_and_heldout(q: torch.Tensor, window: int, max_heldout: int = 256, seed: int = 0):
+    """Split (heads, tokens, d) queries into the observation window (last w) and held-out earlier positions."""
+    w = min(window, q.shape[1])
+    heldout = q[:, : q.shape[1] - w]
+    if heldout.shape[1] == 0:  # a prompt no longer than the window: measure on the window itself
+        heldout = q[:, -w:]
+    if heldout.shape[1] > max_heldout:
+        keep = torch.randperm(heldout.shape[1], generator=torch.Generator().manual_seed(seed))[:max_heldout]
+        heldout = heldout[:, keep.sort().values]
+    return q[:, -w:], heldout
+
+
+def same_model_layers(model: LoadedModel, ids: torch.Tensor, start: int, window: int, seed: int) -> list[LayerKV]:
+    """The model's own KV of layers start..L-1 (rotated, as in its cache) and its own queries."""
+    acts = capture(model.model, [ids], ("k", "v", "q"))
+    heads, kv_heads, _ = attn_shape(model.model)
+    layers = []
+    for i in range(start, model.num_layers):
+        q_obs, q_held = _window_and_heldout(split_heads(acts.layers["q"][i], heads), window, seed=seed)
+        layers.append(LayerKV(i, i, split_heads(acts.layers["k"][i], kv_heads),
+                              split_heads(acts.layers["v"][i], kv_heads), q_obs, q_held, "edge"))
+    return layers
+
+
+def _calibration(cfg: CompressConfig, tokenizer) -> list[torch.Tensor]:
+    from edgekv.align import tokenize
+
+    source = (load_text_file(cfg.calib) if cfg.calib else
+              sharegpt_texts(cfg.calib_texts, offset=cfg.calib_offset))
+    seqs = tokenize(tokenizer, source.texts[: cfg.calib_texts], cfg.calib_tokens, min_tokens=2)
+    if len(seqs) < 3:
+        raise EdgeKVError(f"{source.description}: fewer than 3 usable calibration texts")
+    return seqs
+
+
+def fit_layer_maps(cloud_acts: Activations, edge_acts: Activations, pairs: list[tuple[int, int]]):
+    """Ridge maps for each (edge layer, cloud layer): keys on un-rotated keys, values on values."""
+    maps, info = {}, {}
+    for i, j in pairs:
+        mk, ik = fit_ridge(cloud_acts.layers["k_unrot"][j], edge_acts.layers["k_unrot"][i], edge_acts.text_index)
+        mv, iv = fit_ridge(cloud_acts.layers["v"][j], edge_acts.layers["v"][i], edge_acts.text_index)
+        maps[i] = (mk, mv)
+        info[i] = {"r2_k": ik["r2_test"], "r2_v": iv["r2_test"], "alpha_k": ik["alpha"], "alpha_v": iv["alpha"]}
+    return maps, info
+
+
+def heterogeneous_layers(cloud: LoadedModel, edge: LoadedModel, ids: torch.Tensor, pairs: list[tuple[int, int]],
+                         cfg: CompressConfig, calib: list[torch.Tensor], timings: dict) -> list[LayerKV]:
+    """Cloud KV of the system prompt for each mapped pair, in the shipped space, with the scoring queries."""
+    start = time.perf_counter()
+    cloud_cal = capture(cloud.model, calib, ("k_unrot", "v"))
+    edge_cal = capture(edge.model, calib, ("k_unrot", "v", "q"))
+    maps, map_info = fit_layer_maps(cloud_cal, edge_cal, pairs)
+    timings["calibration_s"] = time.perf_counter() - start
+    cloud_prompt = capture(cloud.model, [ids], ("k_unrot", "v", "q_unrot"))
+    c_heads, c_kv, _ = attn_shape(cloud.model)
+    e_heads, e_kv, _ = attn_shape(edge.model)
+    # edge-space scoring queries come from calibration (the cloud never runs the edge on the prompt):
+    # the last w positions of each train/validation text observe, the test texts are held out
+    _, _, test = split_by_text(edge_cal.text_index)
+    last = torch.zeros_like(test)
+    for t in torch.unique(edge_cal.text_index):
+        rows = (edge_cal.text_index == t).nonzero().flatten()
+        last[rows[-cfg.window:]] = True
+    layers = []
+    for i, j in pairs:
+        k_cloud, v_cloud = cloud_prompt.layers["k_unrot"][j], cloud_prompt.layers["v"][j]
+        if cfg.map_on == "cloud":
+            keys = apply_rotary(edge.model, split_heads(maps[i][0].apply(k_cloud), e_kv))
+            values = split_heads(maps[i][1].apply(v_cloud), e_kv)
+            q_all = edge_cal.layers["q"][i]
+            q_obs, q_held = split_heads(q_all[last & ~test], e_heads), split_heads(q_all[test], e_heads)
+            layers.append(LayerKV(i, j, keys, values, q_obs, q_held, "edge", None, map_info[i]))
+        else:
+            q_obs, q_held = _window_and_heldout(split_heads(cloud_prompt.layers["q_unrot"][j], c_heads), cfg.window,
+                                                seed=cfg.seed)
+            layers.append(LayerKV(i, j, split_heads(k_cloud, c_kv), split_heads(v_cloud, c_kv), q_obs, q_held,
+                                  "cloud-unrotated", maps[i], map_info[i]))
+    return layers
+
+
+def resolve_pairs(cfg: CompressConfig, cloud_layers: int, edge_layers: int, same: bool) -> tuple[list, str]:
+    """(edge layer, cloud layer) pairs from mapping.json, or identity (same model) / uniform (heterogeneous)."""
+    if cfg.mapping:
+        path = Path(cfg.mapping)
+        try:
+            mapping = json.loads(path.read_text())
+            pairs = [(int(p["edge_layer"]), int(p["cloud_layer"])) for p in mapping["pairs"]]
+            dims = (int(mapping["num_cloud_layers"]), int(mapping["num_edge_layers"]))
+        except FileNotFoundError as exc:
+            raise EdgeKVError(f"mapping file not found: {path}") from exc
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise EdgeKVError(f"{path}: not a mapping.json of edgekv align ({exc})") from exc
+        if dims != (cloud_layers, edge_layers):
+            raise EdgeKVError(f"{path}: made for {dims[0]}→{dims[1]} layers, these models have "
+                              f"{cloud_layers}→{edge_layers}")
+        if cfg.start_layer is not None:
+            pairs = [p for p in pairs if p[0] >= cfg.start_layer]
+        return pairs, f"{path}"
+    start = cfg.start_layer if cfg.start_layer is not None else (0 if same else edge_layers // 2)
+    if start >= edge_layers:
+        raise EdgeKVError(f"--start-layer {start} is out of range: the edge model has {edge_layers} layers")
+    if same:
+        return [(i, i) for i in range(start, edge_layers)], "identity (same model)"
+    dummy = {k: torch.zeros(cloud_layers, edge_layers) for k in ("linear_cka", "debiased_cka", "rsa")}
+    uniform = build_mapping("uniform", dummy, MappingParams(start))
+    return [(p["edge_layer"], p["cloud_layer"]) for p in uniform["pairs"]], "uniform (no --mapping given)"
+
+
+# ---------------------------------------------------------------------------------------------- command
+
+
+def model_info(m: LoadedModel) -> dict:
+    """Identity and attention shape of a model, for the manifest."""
+    heads, kv_heads, head_dim = attn_shape(m.model)
+    return {"model": m.spec, "source": m.source, "fingerprint": m.fingerprint, "num_layers": m.num_layers,
+            "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim,
+            "rotary": rotary_cos_sin(m.model, torch.zeros(1, 1, dtype=torch.long),
+                                     torch.zeros(1, 1, 1, head_dim)) is not None}
+
+
+def raw_fp16_bytes(tokens: int, kv_heads: int, head_dim: int) -> int:
+    """Bytes of one layer's K and V in fp16."""
+    return 2 * tokens * kv_heads * head_dim * 2
+
+
+def run_compress(cfg: CompressConfig, progress=None) -> dict:
+    """Build the KV export in cfg.out (atomically) and return the report (also written as report.json)."""
+    cfg.validate()
+    prompt = read_system_prompt(cfg.system_prompt)
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    same = cfg.cloud == cfg.edge
+    edge = load_model(cfg.edge, cfg.dtype, cfg.device_map)
+    cloud = edge if same else load_model(cfg.cloud, cfg.dtype, cfg.device_map)
+    check_tokenizers(cloud.tokenizer, edge.tokenizer)
+    timings["load_s"] = time.perf_counter() - start
+    ids = torch.tensor(edge.tokenizer(prompt, add_special_tokens=True)["input_ids"], dtype=torch.long)
+    if ids.numel() == 0:
+        raise EdgeKVError("the system prompt encodes to no tokens")
+    pairs, mapping_source = resolve_pairs(cfg, cloud.num_layers, edge.num_layers, same)
+    if not pairs:
+        raise EdgeKVError("no layer pairs to export (check --start-layer against the mapping)")
+
+    start = time.perf_counter()
+    if same:
+        layers = same_model_layers(edge, ids, pairs[0][0], cfg.window, cfg.seed)
+    else:
+        calib = _calibration(cfg, edge.tokenizer)
+        layers = heterogeneous_layers(cloud, edge, ids, pairs, cfg, calib, timings)
+    timings["cloud_kv_s"] = time.perf_counter() - start - timings.get("calibration_s", 0.0)
+
+    start = time.perf_counter()
+    task = progress.add_task("encode layers", total=len(layers)) if progress else None
+    tensors, entries, rows = {}, [], []
+    for kv in layers:
+        t, e, r = encode_layer(kv, cfg.prune_ratio, cfg.quant, cfg.keep_recent)
+        tensors[kv.edge_layer] = t
+        entries.append(e)
+        rows.append(r)
+        if progress:
+            progress.advance(task)
+    timings["encode_s"] = time.perf_counter() - start
+
+    cinfo, einfo = model_info(cloud), model_info(edge)
+    n = int(ids.numel())
+    manifest = {
+        "regime": "same-model" if same else "heterogeneous",
+        "cloud": cinfo, "edge": einfo,
+        "tokenizer_fingerprint": tokenizer_fingerprint(edge.tokenizer),
+        "system_prompt": {"num_tokens": n, "token_ids_sha256": token_ids_sha256(ids.tolist()),
+                          "token_ids": ids.tolist()},
+        "start_layer": pairs[0][0], "mapping": mapping_source,
+        "map_location": "none" if same else cfg.map_on,
+        "prune": {"method": "think", "ratio": cfg.prune_ratio, "window": cfg.window, "keep_recent": cfg.keep_recent,
+                  "queries": "own window" if same or cfg.map_on == "edge" else "edge calibration windows"},
+        "quant": cfg.quant,
+        "layers": entries,
+    }
+    start = time.perf_counter()
+    write_export(cfg.out, manifest, tensors, as_tar=cfg.tar)
+    timings["write_s"] = time.perf_counter() - start
+
+    written = sum(e["bytes"] for e in entries)
+    raw_cloud = sum(raw_fp16_bytes(n, cinfo["num_kv_heads"], cinfo["head_dim"]) for _ in pairs)
+    raw_shipped = sum(raw_fp16_bytes(n, kv.keys.shape[0], kv.keys.shape[2]) for kv in layers)
+    report = {
+        "out": str(cfg.out), "regime": manifest["regime"], "system_prompt_tokens": n, "layers": rows,
+        "raw_fp16_cloud_bytes": raw_cloud, "raw_fp16_shipped_bytes": raw_shipped, "bytes_written": written,
+        "ratio_vs_cloud_fp16": raw_cloud / written, "ratio_vs_shipped_fp16": raw_shipped / written,
+        "mean_attn_error_prune": sum(r["attn_error_prune"] for r in rows) / len(rows),
+        "mean_attn_error_total": sum(r["attn_error_total"] for r in rows) / len(rows),
+        "timings": timings, "config": to_dict(cfg),
+    }
+    if not same:
+        report["mean_r2_k"] = sum(r["r2_k"] for r in rows) / len(rows)
+        report["mean_r2_v"] = sum(r["r2_v"] for r in rows) / len(rows)
+    report_path = (Path(cfg.out).with_suffix(".report.json") if cfg.tar else Path(cfg.out) / "report.json")
+    write_text_atomic(report_path, json.dumps(report, indent=1))
+    return report
+

@@ -1,0 +1,231 @@
+"""`edgekv compress` on tiny models, the KV export format, and every way a bad export must be refused."""
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from cli.main import app
+from edgekv.compress import CompressConfig, run_compress
+from edgekv.kvload import decode_layer, edge_kv
+from edgekv.kvstore import Expect, KVExport, KVStoreError, tokenizer_fingerprint
+from edgekv.models import load_model
+from tests.conftest import byte_tokenizer
+
+runner = CliRunner()
+PROMPT = "You are a helpful assistant. Background: the cloud computes this prompt's KV cache once. " * 2
+
+
+def _compress(tiny_models, out, **kw):
+    cfg = CompressConfig(out=str(out), cloud=tiny_models[kw.pop("cloud", "edge")], edge=tiny_models["edge"],
+                         system_prompt=kw.pop("system_prompt", PROMPT), dtype="float32", **kw)
+    return run_compress(cfg)
+
+
+def test_same_model_fp16_roundtrip_is_bit_exact(tiny_models, tmp_path):
+    out = tmp_path / "same"
+    report = _compress(tiny_models, out, quant="fp16", prune_ratio=0.0)
+    assert report["regime"] == "same-model"
+    model = load_model(tiny_models["edge"], "float32")
+    ids = torch.tensor(model.tokenizer(PROMPT)["input_ids"])
+    cache = model.model(ids[None], use_cache=True).past_key_values
+    export = KVExport(out, Expect(edge_fingerprint=model.fingerprint,
+                                  tokenizer_fingerprint=tokenizer_fingerprint(model.tokenizer)))
+    assert export.layer_indices == [0, 1, 2]
+    for i in export.layer_indices:
+        layer = decode_layer(export, i)
+        keys, values = edge_kv(layer, model.model)
+        assert torch.equal(keys, cache.layers[i].keys[0].half().float())
+        assert torch.equal(values, cache.layers[i].values[0].half().float())
+    assert export.manifest["system_prompt"]["num_tokens"] == ids.numel()
+
+
+def test_same_model_int8_pruned(tiny_models, tmp_path):
+    report = _compress(tiny_models, tmp_path / "p", quant="int8", prune_ratio=0.5, keep_recent=3)
+    for row in report["layers"]:
+        assert row["kept_channels"] == 4 and row["head_dim"] == 8
+        assert 0 < row["attn_error_prune"] < 1 and row["attn_error_total"] >= 0
+    export = KVExport(tmp_path / "p")
+    layer = decode_layer(export, 1)
+    assert layer.keys.kept.shape[-1] == 4 and layer.keys.recent.shape[1] == 3
+    n = report["system_prompt_tokens"]
+    # real bytes: int8 kept channels + fp16 per-channel scales, int8 recent keys, int8 values + fp16 token scales
+    keys = 2 * (n - 3) * 4 + 2 * 4 * 2 + 2 * 3 * 8 + 2 * 8 * 2
+    values = 2 * n * 8 + 2 * n * 2
+    assert all(row["bytes"] == keys + values for row in report["layers"])
+    assert report["bytes_written"] > 3 * (keys + values)  # three layer files, each with a safetensors header
+
+
+@pytest.mark.parametrize("map_on", ["cloud", "edge"])
+def test_heterogeneous_export(tiny_models, calib_file, tmp_path, map_on):
+    out = tmp_path / f"het-{map_on}"
+    report = _compress(tiny_models, out, cloud="cloud", calib=str(calib_file), calib_tokens=40, map_on=map_on,
+                       quant="int8", prune_ratio=0.25, start_layer=1)
+    assert report["regime"] == "heterogeneous"
+    assert [r["edge_layer"] for r in report["layers"]] == [1, 2]
+    assert all("r2_k" in r and "r2_v" in r for r in report["layers"])
+    edge = load_model(tiny_models["edge"], "float32")
+    export = KVExport(out)
+    assert export.manifest["map_location"] == map_on
+    for i in export.layer_indices:
+        keys, values = edge_kv(decode_layer(export, i), edge.model)
+        assert keys.shape == values.shape == (2, export.manifest["system_prompt"]["num_tokens"], 8)  # edge-shaped
+    if map_on == "edge":
+        assert "map.k.weight" in export.layer(1)
+
+
+def test_tar_export(tiny_models, tmp_path):
+    out = tmp_path / "kv.tar"
+    _compress(tiny_models, out, tar=True)
+    export = KVExport(out)
+    export.verify_all()
+    assert (tmp_path / "kv.report.json").exists()
+
+
+def test_cli_compress_and_mapping(tiny_models, calib_file, tmp_path):
+    align_out = tmp_path / "align"
+    result = runner.invoke(app, ["align", "--cloud", tiny_models["cloud"], "--edge", tiny_models["edge"],
+                                 "--out", str(align_out), "--texts", str(calib_file), "--max-tokens", "30",
+                                 "--start-layer", "1"])
+    assert result.exit_code == 0, result.output
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(PROMPT)
+    out = tmp_path / "kv"
+    result = runner.invoke(app, ["compress", "--cloud", tiny_models["cloud"], "--edge", tiny_models["edge"],
+                                 "--system-prompt", f"@{prompt_file}", "--out", str(out), "--mapping",
+                                 str(align_out / "mapping.json"), "--calib", str(calib_file), "--calib-tokens", "30",
+                                 "--quant", "int4", "--prune-ratio", "0.5"])
+    assert result.exit_code == 0, result.output
+    mapping = json.loads((align_out / "mapping.json").read_text())
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [(e["edge_layer"], e["cloud_layer"]) for e in manifest["layers"]] == \
+        [(p["edge_layer"], p["cloud_layer"]) for p in mapping["pairs"]]
+    report = json.loads((out / "report.json").read_text())
+    assert report["ratio_vs_shipped_fp16"] > 3
+
+
+# ------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.fixture(scope="module")
+def export_dir(tiny_models, tmp_path_factory):
+    out = tmp_path_factory.mktemp("exp") / "kv"
+    cfg = CompressConfig(out=str(out), cloud=tiny_models["edge"], edge=tiny_models["edge"], system_prompt=PROMPT,
+                         dtype="float32", quant="int8", prune_ratio=0.5)
+    run_compress(cfg)
+    return out
+
+
+def _copy(export_dir, tmp_path):
+    target = tmp_path / "copy"
+    shutil.copytree(export_dir, target)
+    return target
+
+
+def test_tampered_byte_in_any_layer(export_dir, tmp_path):
+    for name in ("layer_00.safetensors", "layer_02.safetensors"):
+        copy = _copy(export_dir, tmp_path / name)
+        data = bytearray((copy / name).read_bytes())
+        data[len(data) // 2] ^= 0x01
+        (copy / name).write_bytes(bytes(data))
+        export = KVExport(copy)  # the manifest is fine; the layer is refused when it is read
+        with pytest.raises(KVStoreError, match=f"{name}: sha256 mismatch"):
+            export.layer(int(name[6:8]))
+
+
+def test_truncated_and_missing_layer(export_dir, tmp_path):
+    copy = _copy(export_dir, tmp_path)
+    blob = (copy / "layer_01.safetensors").read_bytes()
+    (copy / "layer_01.safetensors").write_bytes(blob[:-10])
+    with pytest.raises(KVStoreError, match=r"layer_01.safetensors: \d+ bytes, manifest says \d+ \(truncated\?\)"):
+        KVExport(copy).layer(1)
+    (copy / "layer_02.safetensors").unlink()
+    with pytest.raises(KVStoreError, match="layer_02.safetensors: missing"):
+        KVExport(copy).layer(2)
+
+
+def test_manifest_for_another_model_or_tokenizer(export_dir, tiny_models):
+    other = load_model(tiny_models["cloud"], "float32")
+    with pytest.raises(KVStoreError, match="manifest.json: made for another edge model"):
+        KVExport(export_dir, Expect(edge_fingerprint=other.fingerprint))
+    with pytest.raises(KVStoreError, match="manifest.json: made for another tokenizer"):
+        KVExport(export_dir, Expect(tokenizer_fingerprint=tokenizer_fingerprint(byte_tokenizer(permute=True))))
+
+
+def test_unknown_format_version_and_edited_manifest(export_dir, tmp_path):
+    copy = _copy(export_dir, tmp_path)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["format_version"] = 99
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(KVStoreError, match="unknown format version 99"):
+        KVExport(copy)
+    manifest["format_version"] = 1
+    manifest["layers"][0]["key"]["kept_channels"][0][0] = 7  # a plausible edit: checksum must catch it
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(KVStoreError, match="manifest checksum mismatch"):
+        KVExport(copy)
+
+
+def _load_everything(path):
+    export = KVExport(path)
+    return {i: (decode_layer(export, i).keys.kept, decode_layer(export, i).values) for i in export.layer_indices}
+
+
+def test_fuzz_200_mutations_succeed_exactly_or_fail_cleanly(export_dir, tmp_path):
+    reference = _load_everything(export_dir)
+    files = sorted(p.name for p in export_dir.iterdir() if p.name != "report.json")
+    rng = random.Random(1234)
+    outcomes = {"refused": 0, "identical": 0}
+    for trial in range(200):
+        copy = tmp_path / f"m{trial}"
+        shutil.copytree(export_dir, copy)
+        name = rng.choice(files)
+        data = bytearray((copy / name).read_bytes())
+        for _ in range(rng.randint(1, 4)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        if rng.random() < 0.2:
+            data = data[: rng.randrange(len(data))]  # truncation too
+        (copy / name).write_bytes(bytes(data))
+        try:
+            loaded = _load_everything(copy)
+        except KVStoreError:
+            outcomes["refused"] += 1
+        else:  # a mutation that changed nothing that matters (e.g. JSON whitespace) must load bit-exactly
+            assert loaded.keys() == reference.keys()
+            for i in reference:
+                assert torch.equal(loaded[i][0], reference[i][0]) and torch.equal(loaded[i][1], reference[i][1])
+            outcomes["identical"] += 1
+        shutil.rmtree(copy)
+    assert outcomes["refused"] > 150
+
+
+@pytest.mark.parametrize("case", ["prune_one", "empty_prompt", "missing_prompt_file", "bad_quant", "bad_mapping",
+                                  "tokenizer"])
+def test_cli_bad_input(case, tiny_models, tmp_path):
+    out = tmp_path / "kv"
+    args = ["compress", "--cloud", tiny_models["edge"], "--edge", tiny_models["edge"], "--system-prompt", PROMPT,
+            "--out", str(out)]
+    expect = {"prune_one": "prune ratio must be in [0, 1)", "empty_prompt": "the system prompt is empty",
+              "missing_prompt_file": "system prompt file not found", "bad_quant": "unknown --quant 'int3'",
+              "bad_mapping": "mapping file not found", "tokenizer": "incompatible tokenizers"}[case]
+    if case == "prune_one":
+        args += ["--prune-ratio", "1.0"]
+    elif case == "empty_prompt":
+        args[6] = "   "
+    elif case == "missing_prompt_file":
+        args[6] = f"@{tmp_path / 'nope.txt'}"
+    elif case == "bad_quant":
+        args += ["--quant", "int3"]
+    elif case == "bad_mapping":
+        args[2] = tiny_models["cloud"]
+        args += ["--mapping", str(tmp_path / "nope.json")]
+    elif case == "tokenizer":
+        args[2] = tiny_models["edge_other_tokenizer"]
+    result = runner.invoke(app, args)
+    assert result.exit_code != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and expect in errors[0], result.stderr
+    assert not out.exists() and not any(p.name.startswith(".kv") for p in tmp_path.iterdir())
