@@ -36,7 +36,7 @@ def test_help_lists_the_four_commands():
         assert name in out.stdout
 
 
-@pytest.mark.parametrize("name", ["compress", "serve-edge", "eval"])
+@pytest.mark.parametrize("name", ["serve-edge", "eval"])
 def test_unbuilt_commands_exit_nonzero(name):
     result = _run(name)
     _assert_one_line_error(result, "not yet available")

@@ -31,3 +31,30 @@ def test_align_on_the_default_pair(tmp_path):
     chosen = [p["cloud_layer"] for p in mapping["pairs"]]
     assert [p["edge_layer"] for p in mapping["pairs"]] == list(range(12, 24))
     assert chosen == sorted(chosen)
+
+
+def test_compress_on_the_default_pair_and_reload(tmp_path):
+    import torch
+
+    from edgekv.compress import CompressConfig, run_compress
+    from edgekv.kvload import decode_layer, edge_kv
+    from edgekv.kvstore import Expect, KVExport, tokenizer_fingerprint
+    from edgekv.models import load_model
+
+    out = tmp_path / "kv"
+    prompt = ("You are a careful assistant for a small electronics shop. Answer briefly, cite the return policy "
+              "(30 days, receipt required) when asked about refunds, and never invent stock levels.")
+    report = run_compress(CompressConfig(out=str(out), system_prompt=prompt, quant="int8", prune_ratio=0.5,
+                                         calib_texts=4, calib_tokens=64))
+    assert report["regime"] == "heterogeneous"
+    assert [r["edge_layer"] for r in report["layers"]] == list(range(12, 24))
+    assert all(r["kept_channels"] == 32 and r["head_dim"] == 64 for r in report["layers"])
+    assert report["ratio_vs_shipped_fp16"] > 2.5
+    edge = load_model("default-edge")
+    export = KVExport(out, Expect(edge_fingerprint=edge.fingerprint,
+                                  tokenizer_fingerprint=tokenizer_fingerprint(edge.tokenizer)))
+    n = export.manifest["system_prompt"]["num_tokens"]
+    for i in export.layer_indices:  # one verified layer at a time
+        keys, values = edge_kv(decode_layer(export, i), edge.model)
+        assert keys.shape == values.shape == (2, n, 64)
+        assert torch.isfinite(keys).all() and torch.isfinite(values).all()
