@@ -15,9 +15,10 @@ import time
 
 import torch
 
-from edgekv.align import AlignConfig, _Steps, calibration_source, drop_massive_tokens, similarity_all, tokenize
+from edgekv.align import AlignConfig, calibration_source, drop_massive_tokens, similarity_all, tokenize
 from edgekv.capture import capture
 from edgekv.models import load_model
+from edgekv.steps import Steps
 
 
 def _median_time(fn, repeats: int):
@@ -44,7 +45,7 @@ def main() -> None:
     cloud, edge = load_model(cfg.cloud, cfg.dtype), load_model(cfg.edge, cfg.dtype)
     seqs = tokenize(edge.tokenizer, source.texts, cfg.max_tokens, min_tokens=cfg.skip_first + 2)
     select = lambda t, n: torch.arange(cfg.skip_first, n)  # noqa: E731
-    steps = _Steps(None)
+    steps = Steps(None)
     t_cloud, cloud_acts = _median_time(lambda: capture(cloud.model, seqs, ["hidden"], select), args.repeats)
     t_edge, edge_acts = _median_time(lambda: capture(edge.model, seqs, ["hidden"], select), args.repeats)
     forward = t_cloud + t_edge

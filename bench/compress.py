@@ -16,8 +16,15 @@ from pathlib import Path
 
 import torch
 
-from edgekv.compress import CompressConfig, attn_shape, encode_layer, heterogeneous_layers, raw_fp16_bytes
-from edgekv.compress import _calibration, resolve_pairs
+from edgekv.compress import (
+    CompressConfig,
+    _calibration,
+    attn_shape,
+    encode_layer,
+    heterogeneous_layers,
+    raw_fp16_bytes,
+    resolve_pairs,
+)
 from edgekv.models import load_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import typer
 from transformers.utils import logging as hf_logging
 
-
 from cli.align import align
-from cli.compress import compress
 from cli.common import fail
+from cli.compress import compress
 
 app = typer.Typer(
     name="edgekv",
@@ -20,6 +21,10 @@ app = typer.Typer(
 app.command("align")(align)
 app.command("compress")(compress)
 hf_logging.disable_progress_bar()  # our own rich bars report progress; HF's tqdm lines would interleave
+_handler = logging.StreamHandler()  # stderr: one-time notices such as the first conversion of a default model
+_handler.setFormatter(logging.Formatter("edgekv: %(message)s"))
+logging.getLogger("edgekv").addHandler(_handler)
+logging.getLogger("edgekv").setLevel(logging.INFO)
 
 
 def _not_yet(name: str, issue: str):

@@ -19,6 +19,7 @@ from edgekv.mapping import STRATEGIES, MappingParams, build_mapping
 from edgekv.models import DTYPES, check_tokenizers, load_model, load_tokenizer, num_layers
 from edgekv.plots import similarity_heatmap
 from edgekv.similarity import cka_matrices, massive_rows, rsa_matrix, subsample_rows
+from edgekv.steps import Steps
 from edgekv.texts import TextSource, load_text_file, sharegpt_texts
 
 METRICS = ("linear_cka", "debiased_cka", "rsa")
@@ -96,19 +97,6 @@ class AlignResult:
     timings: dict[str, float]
 
 
-class _Steps:
-    """Optional rich progress: one task per stage."""
-
-    def __init__(self, progress):
-        self.progress = progress
-
-    def task(self, description: str, total: int):
-        if self.progress is None:
-            return lambda *_: None
-        task_id = self.progress.add_task(description, total=total)
-        return lambda *_: self.progress.advance(task_id)
-
-
 def calibration_source(cfg: AlignConfig) -> TextSource:
     """The calibration texts named by the config (a file, else ShareGPT)."""
     if cfg.texts:
@@ -130,7 +118,7 @@ def tokenize(tokenizer, texts: list[str], max_tokens: int, min_tokens: int) -> l
     return seqs
 
 
-def _capture_model(spec: str, cfg: AlignConfig, seqs, features, select, steps: _Steps, label: str):
+def _capture_model(spec: str, cfg: AlignConfig, seqs, features, select, steps: Steps, label: str):
     loaded = load_model(spec, cfg.dtype, cfg.device_map)
     advance = steps.task(f"{label} forward ({loaded.num_layers} layers)", len(seqs))
     start = time.perf_counter()
@@ -143,7 +131,7 @@ def _capture_model(spec: str, cfg: AlignConfig, seqs, features, select, steps: _
     return acts, info, elapsed
 
 
-def similarity_all(cloud_layers, edge_layers, cfg: AlignConfig, steps: _Steps, label: str) -> dict[str, torch.Tensor]:
+def similarity_all(cloud_layers, edge_layers, cfg: AlignConfig, steps: Steps, label: str) -> dict[str, torch.Tensor]:
     """linear CKA, debiased CKA and RSA matrices (rows = cloud layers, columns = edge layers)."""
     advance = steps.task(f"similarity {label} (CKA rows, RSA layers)", 2 * len(cloud_layers) + len(edge_layers))
     matrices = cka_matrices(cloud_layers, edge_layers, on_row=advance)
@@ -178,7 +166,7 @@ def _write_csv(path: Path, matrix: torch.Tensor) -> None:
 def run_align(cfg: AlignConfig, progress=None) -> AlignResult:
     """Capture, compare and map; write similarity.json, CSVs, PNG heatmaps and mapping.json into cfg.out."""
     cfg.validate()
-    steps = _Steps(progress)
+    steps = Steps(progress)
     timings: dict[str, float] = {}
     with staged_dir(cfg.out) as staging:
         source = calibration_source(cfg)

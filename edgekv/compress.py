@@ -20,11 +20,12 @@ from edgekv.atomic import write_text_atomic
 from edgekv.capture import Activations, capture, rotary_cos_sin, rotate_keys
 from edgekv.config import command_config, to_dict
 from edgekv.kvmap import RidgeMap, fit_ridge, split_by_text
-from edgekv.kvstore import layer_file, token_ids_sha256, tokenizer_fingerprint, write_export
+from edgekv.kvstore import token_ids_sha256, tokenizer_fingerprint, write_export
 from edgekv.mapping import MappingParams, build_mapping
 from edgekv.models import DTYPES, LoadedModel, check_tokenizers, load_model
 from edgekv.pruning import attention_error, check_ratio, prune_keys, think_scores, think_select
 from edgekv.quant import SCHEMES, Quantized, dequantize, quantize
+from edgekv.steps import Steps
 from edgekv.texts import load_text_file, sharegpt_texts
 
 
@@ -198,9 +199,10 @@ def _window_and_heldout(q: torch.Tensor, window: int, max_heldout: int = 256, se
     return q[:, -w:], heldout
 
 
-def same_model_layers(model: LoadedModel, ids: torch.Tensor, start: int, window: int, seed: int) -> list[LayerKV]:
+def same_model_layers(model: LoadedModel, ids: torch.Tensor, start: int, window: int, seed: int,
+                      steps: Steps | None = None) -> list[LayerKV]:
     """The model's own KV of layers start..L-1 (rotated, as in its cache) and its own queries."""
-    acts = capture(model.model, [ids], ("k", "v", "q"))
+    acts = capture(model.model, [ids], ("k", "v", "q"), on_text=(steps or Steps()).task("system prompt forward", 1))
     heads, kv_heads, _ = attn_shape(model.model)
     layers = []
     for i in range(start, model.num_layers):
@@ -233,14 +235,17 @@ def fit_layer_maps(cloud_acts: Activations, edge_acts: Activations, pairs: list[
 
 
 def heterogeneous_layers(cloud: LoadedModel, edge: LoadedModel, ids: torch.Tensor, pairs: list[tuple[int, int]],
-                         cfg: CompressConfig, calib: list[torch.Tensor], timings: dict) -> list[LayerKV]:
+                         cfg: CompressConfig, calib: list[torch.Tensor], timings: dict,
+                         steps: Steps | None = None) -> list[LayerKV]:
     """Cloud KV of the system prompt for each mapped pair, in the shipped space, with the scoring queries."""
+    steps = steps or Steps()
     start = time.perf_counter()
-    cloud_cal = capture(cloud.model, calib, ("k_unrot", "v"))
-    edge_cal = capture(edge.model, calib, ("k_unrot", "v", "q"))
+    cloud_cal = capture(cloud.model, calib, ("k_unrot", "v"), on_text=steps.task("calibration: cloud", len(calib)))
+    edge_cal = capture(edge.model, calib, ("k_unrot", "v", "q"), on_text=steps.task("calibration: edge", len(calib)))
     maps, map_info = fit_layer_maps(cloud_cal, edge_cal, pairs)
     timings["calibration_s"] = time.perf_counter() - start
-    cloud_prompt = capture(cloud.model, [ids], ("k_unrot", "v", "q_unrot"))
+    cloud_prompt = capture(cloud.model, [ids], ("k_unrot", "v", "q_unrot"),
+                           on_text=steps.task("system prompt: cloud forward", 1))
     c_heads, c_kv, _ = attn_shape(cloud.model)
     e_heads, e_kv, _ = attn_shape(edge.model)
     # edge-space scoring queries come from calibration (the cloud never runs the edge on the prompt):
@@ -331,23 +336,23 @@ def run_compress(cfg: CompressConfig, progress=None) -> dict:
         raise EdgeKVError("no layer pairs to export (check --start-layer against the mapping)")
 
     start = time.perf_counter()
+    steps = Steps(progress)
     if same:
-        layers = same_model_layers(edge, ids, pairs[0][0], cfg.window, cfg.seed)
+        layers = same_model_layers(edge, ids, pairs[0][0], cfg.window, cfg.seed, steps)
     else:
         calib = _calibration(cfg, edge.tokenizer)
-        layers = heterogeneous_layers(cloud, edge, ids, pairs, cfg, calib, timings)
+        layers = heterogeneous_layers(cloud, edge, ids, pairs, cfg, calib, timings, steps)
     timings["cloud_kv_s"] = time.perf_counter() - start - timings.get("calibration_s", 0.0)
 
     start = time.perf_counter()
-    task = progress.add_task("encode layers", total=len(layers)) if progress else None
+    advance = steps.task("encode layers (ThinK + quantize)", len(layers))
     tensors, entries, rows = {}, [], []
     for kv in layers:
         t, e, r = encode_layer(kv, cfg.prune_ratio, cfg.quant, cfg.keep_recent)
         tensors[kv.edge_layer] = t
         entries.append(e)
         rows.append(r)
-        if progress:
-            progress.advance(task)
+        advance()
     timings["encode_s"] = time.perf_counter() - start
 
     cinfo, einfo = model_info(cloud), model_info(edge)

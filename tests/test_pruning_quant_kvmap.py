@@ -7,7 +7,7 @@ import torch
 
 from edgekv import EdgeKVError
 from edgekv.kvmap import fit_ridge, r2_score
-from edgekv.pruning import (attention_error, kept_count, prune_keys, pruned_scores, think_scores, think_select)
+from edgekv.pruning import attention_error, kept_count, prune_keys, pruned_scores, think_scores, think_select
 from edgekv.quant import dequantize, quantize
 
 
