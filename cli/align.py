@@ -27,7 +27,8 @@ def align(
     tau_cka: Optional[float] = typer.Option(None, help="Minimum linear CKA of a mapped pair [0]."),
     tau_rsa: Optional[float] = typer.Option(None, help="Minimum RSA of a mapped pair [0]."),
     skip_first: Optional[int] = typer.Option(None, help="Leading tokens per text left out (attention sink) [1]."),
-    outlier_ratio: Optional[float] = typer.Option(None, help="Drop tokens whose hidden norm exceeds this × the layer median; 0 keeps all [10]."),
+    outlier_ratio: Optional[float] = typer.Option(
+        None, help="Drop tokens whose hidden norm exceeds this × the layer median; 0 keeps all [10]."),
     sample_tokens: Optional[int] = typer.Option(None, help="Seeded subsample of tokens for CKA [all]."),
     rsa_tokens: Optional[int] = typer.Option(None, help="Seeded subsample of tokens for RSA [2048]."),
     features: Optional[str] = typer.Option(None, help="Comma list of hidden, k, v, k_unrot [hidden]."),
@@ -39,7 +40,8 @@ def align(
     """Compare every cloud×edge layer pair (linear CKA, debiased CKA, RSA) and choose a layer mapping."""
     overrides = dict(cloud=cloud, edge=edge, out=str(out) if out else None, texts=str(texts) if texts else None,
                      num_texts=num_texts, max_tokens=max_tokens, strategy=strategy, start_layer=start_layer,
-                     metric=metric, tau_cka=tau_cka, tau_rsa=tau_rsa, skip_first=skip_first, outlier_ratio=outlier_ratio,
+                     metric=metric, tau_cka=tau_cka, tau_rsa=tau_rsa, skip_first=skip_first,
+                     outlier_ratio=outlier_ratio,
                      sample_tokens=sample_tokens, rsa_tokens=rsa_tokens, features=parse_list(features),
                      dtype=dtype, device_map=device_map, seed=seed)
     cfg = load_config(AlignConfig, "align", config, overrides)

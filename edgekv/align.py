@@ -151,7 +151,8 @@ def drop_massive_tokens(cloud_acts, edge_acts, max_ratio: float | None, tokenize
     keep = ~mask
     for acts in (cloud_acts, edge_acts):
         acts.layers = {f: [t[keep] for t in layers] for f, layers in acts.layers.items()}
-        acts.token_ids, acts.positions, acts.text_index = acts.token_ids[keep], acts.positions[keep], acts.text_index[keep]
+        acts.token_ids, acts.positions = acts.token_ids[keep], acts.positions[keep]
+        acts.text_index = acts.text_index[keep]
     return dropped
 
 
@@ -173,7 +174,8 @@ def run_align(cfg: AlignConfig, progress=None) -> AlignResult:
         check_tokenizers(load_tokenizer(cfg.cloud), tok := load_tokenizer(cfg.edge))
         edge_depth = num_layers(cfg.edge)
         if cfg.start_layer is not None and cfg.start_layer >= edge_depth:
-            raise EdgeKVError(f"--start-layer {cfg.start_layer} is out of range: the edge model has {edge_depth} layers")
+            raise EdgeKVError(f"--start-layer {cfg.start_layer} is out of range: "
+                              f"the edge model has {edge_depth} layers")
         seqs = tokenize(tok, source.texts, cfg.max_tokens, min_tokens=cfg.skip_first + 2)
         if not seqs:
             raise EdgeKVError(f"no calibration text has more than {cfg.skip_first + 1} tokens")

@@ -99,7 +99,8 @@ def attn_shape(model: torch.nn.Module) -> tuple[int, int, int]:
     """(query heads, KV heads, head_dim) of a model's attention."""
     c = model.config
     heads = c.num_attention_heads
-    return heads, getattr(c, "num_key_value_heads", None) or heads, getattr(c, "head_dim", None) or c.hidden_size // heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    return heads, kv_heads, getattr(c, "head_dim", None) or c.hidden_size // heads
 
 
 def split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:

