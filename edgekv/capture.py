@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-FEATURES = ("hidden", "k", "v", "k_unrot", "q", "q_unrot")
+FEATURES = ("hidden", "hidden_in", "k", "v", "k_unrot", "q", "q_unrot")
 
 
 @dataclass
@@ -86,11 +86,13 @@ def capture(
     features: Iterable[str] = ("hidden",),
     select: Callable[[int, int], torch.Tensor | None] | None = None,
     on_text: Callable[[int], None] | None = None,
+    on_output: Callable[[int, object], None] | None = None,
 ) -> Activations:
     """Run `model` on each 1-D token sequence (one at a time: no padding) and collect per-layer features.
 
     `select(text_index, length)` may return the positions of that text to keep (seeded subsampling);
-    memory stays bounded by what is kept, in float32 on CPU.
+    memory stays bounded by what is kept, in float32 on CPU. `on_output(text_index, model_output)` sees each
+    forward's output (logits) before it is dropped.
     """
     features = tuple(features)
     unknown = set(features) - set(FEATURES)
@@ -101,18 +103,23 @@ def capture(
     chunks: dict[str, list[list[torch.Tensor]]] = {f: [[] for _ in range(num_layers)] for f in features}
     need_cache = any(f in ("k", "v", "k_unrot") for f in features)
     block_out: list[torch.Tensor] = []
+    block_in: list[torch.Tensor] = []
     query_out: list[torch.Tensor] = []
     handles = []
     if "hidden" in features:
         # hooks, not output_hidden_states: that tuple's last entry is the final-norm output, not the block's
         handles += [layer.register_forward_hook(lambda m, i, o: block_out.append(o[0] if isinstance(o, tuple) else o))
                     for layer in decoder_layers(model)]
+    if "hidden_in" in features:  # the input of block i (embeddings for i = 0), what its K and V are made from
+        handles += [layer.register_forward_pre_hook(
+            lambda m, args, kwargs: block_in.append(args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
+            for layer in decoder_layers(model)]
     if "q" in features or "q_unrot" in features:
         handles += [layer.self_attn.q_proj.register_forward_hook(lambda m, i, o: query_out.append(o))
                     for layer in decoder_layers(model)]
     try:
-        return _capture(model, sequences, features, select, on_text, chunks, (block_out, query_out), need_cache,
-                        device)
+        hooked = (block_out, block_in, query_out)
+        return _capture(model, sequences, features, select, on_text, on_output, chunks, hooked, need_cache, device)
     finally:
         for h in handles:
             h.remove()
@@ -129,20 +136,23 @@ def _queries(model: torch.nn.Module, raw: torch.Tensor, rotate: bool) -> torch.T
     return q
 
 
-def _capture(model, sequences, features, select, on_text, chunks, hooked, need_cache, device) -> Activations:
-    block_out, query_out = hooked
+def _capture(model, sequences, features, select, on_text, on_output, chunks, hooked, need_cache, device):
+    block_out, block_in, query_out = hooked
     num_layers = model.config.num_hidden_layers
     ids_out, pos_out, text_out = [], [], []
     for t, seq in enumerate(sequences):
         seq = seq.reshape(-1)
         keep = select(t, seq.numel()) if select else None
         keep = torch.arange(seq.numel()) if keep is None else keep
-        block_out.clear()
-        query_out.clear()
+        for hooked_list in hooked:
+            hooked_list.clear()
         out = model(input_ids=seq[None].to(device), use_cache=need_cache)
-        if "hidden" in features:
-            for i in range(num_layers):
-                chunks["hidden"][i].append(block_out[i][0, keep].float().cpu())
+        for name, seen in (("hidden", block_out), ("hidden_in", block_in)):
+            if name in chunks:
+                for i in range(num_layers):
+                    chunks[name][i].append(seen[i][0, keep].float().cpu())
+        if on_output:
+            on_output(t, out)
         for name, rotate in (("q", True), ("q_unrot", False)):
             if name in chunks:
                 for i in range(num_layers):

@@ -82,3 +82,106 @@ def fit_ridge(x: torch.Tensor, y: torch.Tensor, text_index: torch.Tensor,
             "r2_test": r2_score(y[test], fitted.apply(x[test].float()).double()),
             "train_tokens": int((train | val).sum()), "test_tokens": int(test.sum())}
     return fitted, info
+
+
+# ------------------------------------------------------------------------------------------- translators
+# A translator turns the cloud's activations over a prompt into edge-space KV for each mapped edge layer:
+# (kv_heads, tokens, head_dim) keys rotated at positions 0.. by the edge's own rotary, and values.
+
+KVPair = tuple[torch.Tensor, torch.Tensor]
+TRANSLATORS: dict[str, type] = {}
+
+
+def register_translator(name: str):
+    """Register a translator class under `name`."""
+
+    def deco(cls: type) -> type:
+        if name in TRANSLATORS:
+            raise ValueError(f"translator '{name}' is registered twice")
+        cls.name = name
+        TRANSLATORS[name] = cls
+        return cls
+
+    return deco
+
+
+def _attn_norm(layer: torch.nn.Module) -> torch.nn.Module:
+    for name in ("input_layernorm", "self_attn_layer_norm"):
+        if hasattr(layer, name):
+            return getattr(layer, name)
+    raise ValueError(f"cannot find the pre-attention norm of {type(layer).__name__}")
+
+
+@torch.no_grad()
+def kv_from_hidden(model: torch.nn.Module, layer_index: int, hidden: torch.Tensor, start: int = 0) -> KVPair:
+    """The K (rotated at positions start..) and V a model's layer makes from its input hidden states (tokens, d)."""
+    from edgekv.capture import decoder_layers
+    from edgekv.compress import apply_rotary, attn_shape, split_heads
+
+    layer = decoder_layers(model)[layer_index]
+    attn = layer.self_attn
+    weight = attn.k_proj.weight
+    h = _attn_norm(layer)(hidden.to(weight.dtype)[None])[0]
+    _, kv_heads, _ = attn_shape(model)
+    keys = split_heads(attn.k_proj(h).float(), kv_heads)
+    if hasattr(attn, "k_norm"):  # Qwen3-style per-head key norm, before rotary
+        keys = attn.k_norm(keys.to(weight.dtype)).float()
+    values = split_heads(attn.v_proj(h).float(), kv_heads)
+    return apply_rotary(model, keys, start), values
+
+
+@register_translator("ridge")
+class RidgeTranslator:
+    """Per-layer closed-form maps on un-rotated K and on V (the compress baseline)."""
+
+    features = ("k_unrot", "v")
+
+    def __init__(self):
+        self.maps: dict[int, tuple[RidgeMap, RidgeMap]] = {}
+        self.info: dict[int, dict] = {}
+
+    def fit(self, cloud_cal, edge_cal, pairs: list[tuple[int, int]], edge_model) -> "RidgeTranslator":
+        """Fit one K map and one V map per (edge layer, cloud layer) pair."""
+        for i, j in pairs:
+            mk, ik = fit_ridge(cloud_cal.layers["k_unrot"][j], edge_cal.layers["k_unrot"][i], edge_cal.text_index)
+            mv, iv = fit_ridge(cloud_cal.layers["v"][j], edge_cal.layers["v"][i], edge_cal.text_index)
+            self.maps[i], self.info[i] = (mk, mv), {"cloud_layer": j, "r2_k": ik["r2_test"], "r2_v": iv["r2_test"]}
+        return self
+
+    def translate(self, cloud_acts, edge_model, edge_layers: list[int]) -> dict[int, KVPair]:
+        """Edge-space KV of the prompt the cloud activations cover (positions from 0)."""
+        from edgekv.compress import apply_rotary, attn_shape, split_heads
+
+        _, kv_heads, _ = attn_shape(edge_model)
+        out = {}
+        for i in edge_layers:
+            j = self.info[i]["cloud_layer"]
+            mk, mv = self.maps[i]
+            keys = split_heads(mk.apply(cloud_acts.layers["k_unrot"][j]), kv_heads)
+            out[i] = (apply_rotary(edge_model, keys), split_heads(mv.apply(cloud_acts.layers["v"][j]), kv_heads))
+        return out
+
+
+@register_translator("hidden")
+class HiddenTranslator:
+    """Map the cloud's input hidden state of the matched layer into the edge's (ridge), then let the edge's own
+    pre-attention norm, k_proj, v_proj and rotary make K and V: structurally consistent KV by construction."""
+
+    features = ("hidden_in",)
+
+    def __init__(self):
+        self.maps: dict[int, RidgeMap] = {}
+        self.info: dict[int, dict] = {}
+
+    def fit(self, cloud_cal, edge_cal, pairs: list[tuple[int, int]], edge_model) -> "HiddenTranslator":
+        """Fit one hidden-state map per pair; R² is reported on the K and V it produces for held-out texts."""
+        for i, j in pairs:
+            m, info = fit_ridge(cloud_cal.layers["hidden_in"][j], edge_cal.layers["hidden_in"][i], edge_cal.text_index)
+            self.maps[i] = m
+            self.info[i] = {"cloud_layer": j, "r2_hidden": info["r2_test"]}
+        return self
+
+    def translate(self, cloud_acts, edge_model, edge_layers: list[int]) -> dict[int, KVPair]:
+        """Edge-space KV of the prompt the cloud activations cover (positions from 0)."""
+        return {i: kv_from_hidden(edge_model, i, self.maps[i].apply(cloud_acts.layers["hidden_in"][self.info[i][
+            "cloud_layer"]])) for i in edge_layers}

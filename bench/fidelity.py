@@ -1,0 +1,121 @@
+"""Bench cross-model KV translation on the default pair: edge NLL on held-out continuations, with controls.
+
+    python bench/fidelity.py [--texts 32] [--prefix 256] [--cont 64] [--splits 0,8,12,16,20] [--sink 1]
+                             [--similarity runs/align-default/similarity.json] [--out runs/fidelity]
+
+Translators are fitted on ShareGPT calibration conversations (file order from 0); held-out texts are ShareGPT
+conversations from record --heldout-offset on and XSum documents (data/xsum), reported separately. Prints one
+table per source: rows = conditions, columns = split layer m, cells = mean NLL (nats/token) ± standard error
+over texts, then the same for top-1 agreement with the edge's full prefill and with the cloud.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from rich.progress import Progress
+
+from edgekv.align import tokenize
+from edgekv.capture import capture
+from edgekv.fidelity import evaluate_text, split_texts, summarize, xsum_documents
+from edgekv.kvmap import TRANSLATORS
+from edgekv.mapping import MappingParams, build_mapping
+from edgekv.models import load_model
+from edgekv.texts import iter_sharegpt, render_conversation, sharegpt_texts
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def full_depth_pairs(similarity: str | None, n_cloud: int, n_edge: int) -> tuple[list[tuple[int, int]], str]:
+    """A mapping for every edge layer (m = 0): the similarity strategy on align's matrices, else uniform."""
+    if similarity:
+        sim = json.loads(Path(similarity).read_text())
+        matrices = {k: torch.tensor(sim["metrics"][k], dtype=torch.float64)
+                    for k in ("linear_cka", "debiased_cka", "rsa")}
+        name = "similarity"
+    else:
+        matrices = {k: torch.zeros(n_cloud, n_edge) for k in ("linear_cka", "debiased_cka", "rsa")}
+        name = "uniform"
+    mapping = build_mapping(name, matrices, MappingParams(0))
+    return [(p["edge_layer"], p["cloud_layer"]) for p in mapping["pairs"]], name
+
+
+def table(summary: list[dict], source: str, key: str, splits: list[int]) -> str:
+    conditions = sorted({s["condition"] for s in summary if s["source"] == source},
+                        key=lambda c: (c not in ("edge", "cloud", "no-prefix"), c))
+    cell = {(s["condition"], s["m"]): s for s in summary if s["source"] == source}
+    lines = [f"{source}: {key} (mean ± s.e. over {next(iter(cell.values()))['texts']} texts)",
+             f"{'condition':<14}" + "".join(f"{'m=' + str(m):>16}" for m in splits)]
+    for c in conditions:
+        if (c, None) in cell:
+            s = cell[(c, None)]
+            lines.append(f"{c:<14}{s[key]:>9.3f} ± {s[key + '_se']:.3f}" + " (no split)")
+        else:
+            lines.append(f"{c:<14}" + "".join(f"{cell[(c, m)][key]:>9.3f} ± {cell[(c, m)][key + '_se']:.3f}"
+                                               for m in splits))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--texts", type=int, default=32)
+    ap.add_argument("--prefix", type=int, default=256)
+    ap.add_argument("--cont", type=int, default=64)
+    ap.add_argument("--splits", default="0,8,12,16,20")
+    ap.add_argument("--sink", type=int, default=1)
+    ap.add_argument("--translators", default="ridge,hidden")
+    ap.add_argument("--calib-texts", type=int, default=32)
+    ap.add_argument("--calib-tokens", type=int, default=256)
+    ap.add_argument("--heldout-offset", type=int, default=2000)
+    ap.add_argument("--similarity", default=None)
+    ap.add_argument("--out", default="runs/fidelity")
+    args = ap.parse_args()
+    splits = [int(m) for m in args.splits.split(",")]
+    torch.manual_seed(0)
+
+    cloud, edge = load_model("default-cloud"), load_model("default-edge")
+    pairs, mapping_name = full_depth_pairs(args.similarity, cloud.num_layers, edge.num_layers)
+    calib = sharegpt_texts(args.calib_texts, offset=0)
+    seqs = tokenize(edge.tokenizer, calib.texts, args.calib_tokens, min_tokens=2)
+    start = time.perf_counter()
+    features = sorted({f for name in args.translators.split(",") for f in TRANSLATORS[name].features})
+    with torch.no_grad():
+        c_cal, e_cal = capture(cloud.model, seqs, features), capture(edge.model, seqs, features)
+    translators = {name: TRANSLATORS[name]().fit(c_cal, e_cal, pairs, edge.model)
+                   for name in args.translators.split(",")}
+    del c_cal, e_cal
+    print(f"calibration: {calib.description}; {len(seqs)} texts; mapping {mapping_name} from m=0; "
+          f"fit in {time.perf_counter() - start:.0f} s")
+    for name, t in translators.items():
+        print(f"  {name}: " + ", ".join(f"{i}←{v['cloud_layer']} " + " ".join(
+            f"{k}={v[k]:.2f}" for k in v if k.startswith("r2")) for i, v in sorted(t.info.items())))
+
+    share = [render_conversation(r) for k, r in enumerate(iter_sharegpt()) if k >= args.heldout_offset]
+    heldout = (split_texts(edge.tokenizer, share, "sharegpt", args.prefix, args.cont, args.texts)
+               + split_texts(edge.tokenizer, xsum_documents(ROOT / "data/xsum/xsum_sample.jsonl"), "xsum",
+                             args.prefix, args.cont, args.texts))
+    rows = []
+    with Progress() as progress:
+        task = progress.add_task("held-out texts", total=len(heldout))
+        for n, text in enumerate(heldout):
+            rows += evaluate_text(edge, cloud, text, translators, splits, args.sink, seed=n)
+            progress.advance(task)
+    summary = summarize(rows)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (out / "summary.json").write_text(json.dumps({"args": vars(args), "mapping": mapping_name, "pairs": pairs,
+                                                  "fit": {k: t.info for k, t in translators.items()},
+                                                  "summary": summary}, indent=1))
+    for source in ("sharegpt", "xsum"):
+        for key in ("nll", "top1_edge", "top1_cloud"):
+            print(table(summary, source, key, splits))
+            print()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Fidelity of cross-model KV: teacher-forced NLL of the edge on a continuation, given a spliced prefix cache.
+
+For each held-out text (prefix = system prompt, continuation = what follows), the edge computes its own prefix
+cache; for a split layer m, layers ≥ m get the translated cloud KV (the first `sink` prefix tokens stay local),
+and the edge is scored on the continuation. Controls, on the same tokens:
+- `edge`: the edge's own full prefill (no reuse), the target to match;
+- `cloud`: the cloud model's own NLL, what the edge could gain;
+- `noise:<translator>`: the edge's own KV plus Gaussian noise whose per-layer variance equals that translator's
+  error on this text (is the translator's error worse than random error of the same size?);
+- `no-prefix`: the edge on the continuation alone.
+Every condition predicts the continuation's tokens 1..C−1 (token 0 has no predictor without a prefix).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from edgekv.capture import capture
+from edgekv.splice import splice_layers
+
+
+@dataclass
+class HeldOutText:
+    """A prefix and its continuation, token ids."""
+
+    source: str
+    prefix: torch.Tensor
+    continuation: torch.Tensor
+
+
+def split_texts(tokenizer, texts: list[str], source: str, prefix_tokens: int, cont_tokens: int,
+                limit: int) -> list[HeldOutText]:
+    """The first `limit` texts long enough for prefix + continuation, cut to exactly those lengths."""
+    out = []
+    for text in texts:
+        ids = tokenizer(text)["input_ids"]
+        if len(ids) >= prefix_tokens + cont_tokens:
+            ids = torch.tensor(ids[: prefix_tokens + cont_tokens])
+            out.append(HeldOutText(source, ids[:prefix_tokens], ids[prefix_tokens:]))
+            if len(out) == limit:
+                break
+    return out
+
+
+def xsum_documents(path: str | Path) -> list[str]:
+    """Documents of the XSum JSONL sample."""
+    return [json.loads(line)["document"] for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def _nll_top1(logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor]:
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    nll = -logp.gather(-1, targets[:, None]).squeeze(-1)
+    return float(nll.mean()), logits.argmax(-1)
+
+
+@torch.no_grad()
+def _continue(model, cache, continuation: torch.Tensor, prefix_len: int) -> torch.Tensor:
+    """Logits for the continuation tokens 0..C−2 (predicting 1..C−1) on top of `cache`."""
+    positions = torch.arange(prefix_len, prefix_len + continuation.numel() - 1)[None]
+    out = model(input_ids=continuation[None, :-1], past_key_values=cache, position_ids=positions, use_cache=True)
+    return out.logits[0]
+
+
+def matched_noise(true: dict, translated: dict, seed: int) -> dict:
+    """The edge's own KV plus Gaussian noise of the translation error's per-layer variance (keys, values apart)."""
+    g = torch.Generator().manual_seed(seed)
+    noisy = {}
+    for i, (k, v) in true.items():
+        tk, tv = translated[i]
+        sk = float((tk - k).float().square().mean().sqrt())
+        sv = float((tv - v).float().square().mean().sqrt())
+        noisy[i] = (k + sk * torch.randn(k.shape, generator=g), v + sv * torch.randn(v.shape, generator=g))
+    return noisy
+
+
+@torch.no_grad()
+def evaluate_text(edge, cloud, text: HeldOutText, translators: dict, splits: list[int], sink: int,
+                  seed: int = 0) -> list[dict]:
+    """All conditions for one text → rows {condition, m, nll, top1_edge, top1_cloud}."""
+    full = torch.cat([text.prefix, text.continuation])
+    p = text.prefix.numel()
+    targets = text.continuation[1:]
+    rows = []
+
+    def row(condition, m, logits, ref_edge, ref_cloud):
+        nll, top = _nll_top1(logits, targets)
+        rows.append({"source": text.source, "condition": condition, "m": m, "nll": nll,
+                     "top1_edge": float((top == ref_edge).float().mean()) if ref_edge is not None else 1.0,
+                     "top1_cloud": float((top == ref_cloud).float().mean()) if ref_cloud is not None else 1.0})
+
+    edge_logits = edge.model(full[None]).logits[0, p:-1]
+    edge_top = edge_logits.argmax(-1)
+    seen = []  # one cloud pass: its logits score the cloud, its prefix activations feed the translators
+    features = sorted({f for t in translators.values() for f in t.features})
+    cloud_acts = capture(cloud.model, [full], features, select=lambda t, n: torch.arange(p),
+                         on_output=lambda t, out: seen.append(out.logits[0, p:-1]))
+    cloud_logits = seen[0]
+    cloud_top = cloud_logits.argmax(-1)
+    row("edge", None, edge_logits, edge_top, cloud_top)
+    row("cloud", None, cloud_logits, edge_top, cloud_top)
+    row("no-prefix", None, edge.model(text.continuation[None, :-1]).logits[0], edge_top, cloud_top)
+
+    base = edge.model(text.prefix[None], use_cache=True).past_key_values
+    own = {i: (base.layers[i].keys[0].float(), base.layers[i].values[0].float()) for i in range(edge.num_layers)}
+    for name, translator in translators.items():
+        translated = translator.translate(cloud_acts, edge.model, list(range(min(splits), edge.num_layers)))
+        noisy = matched_noise({i: own[i] for i in translated}, translated, seed)
+        for m in splits:
+            deep = [i for i in translated if i >= m]
+            for condition, kv in ((name, translated), (f"noise:{name}", noisy)):
+                cache = splice_layers(copy.deepcopy(base), {i: kv[i] for i in deep}, keep_first=sink)
+                row(condition, m, _continue(edge.model, cache, text.continuation, p), edge_top, cloud_top)
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Mean and standard error over texts per (source, condition, m)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["source"], r["condition"], r["m"]), []).append(r)
+    out = []
+    for (source, condition, m), rs in groups.items():
+        n = len(rs)
+        stats = {"source": source, "condition": condition, "m": m, "texts": n}
+        for key in ("nll", "top1_edge", "top1_cloud"):
+            vals = torch.tensor([r[key] for r in rs], dtype=torch.float64)
+            stats[key] = float(vals.mean())
+            stats[key + "_se"] = float(vals.std(unbiased=True) / math.sqrt(n)) if n > 1 else float("nan")
+        out.append(stats)
+    return out

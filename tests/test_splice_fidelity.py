@@ -1,0 +1,87 @@
+"""Spliced caches, the exact attention merge, translators and the fidelity harness on tiny models."""
+
+import copy
+
+import pytest
+import torch
+
+from edgekv.capture import capture
+from edgekv.fidelity import HeldOutText, evaluate_text, summarize
+from edgekv.kvmap import HiddenTranslator, RidgeMap, RidgeTranslator, kv_from_hidden
+from edgekv.models import load_model
+from edgekv.splice import merge_attention, splice_layers
+from tests.conftest import tiny_qwen2
+
+
+def _attention(q, k, v, mask):
+    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, -1) @ v, torch.logsumexp(scores, -1)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_merge_attention_is_exact(seed):
+    g = torch.Generator().manual_seed(seed)
+    heads, kv_heads = [(4, 2), (6, 3), (2, 2), (8, 1), (4, 4)][seed]
+    t, s_a, s_b, d = 3 + seed, 5 + 2 * seed, 4 + seed, 8
+    q = torch.randn(heads, t, d, generator=g, dtype=torch.float64)
+    k = torch.randn(kv_heads, s_a + s_b, d, generator=g, dtype=torch.float64).repeat_interleave(heads // kv_heads, 0)
+    v = torch.randn(kv_heads, s_a + s_b, d, generator=g, dtype=torch.float64).repeat_interleave(heads // kv_heads, 0)
+    mask = torch.rand(heads, t, s_a + s_b, generator=g) > 0.3
+    mask[..., 0] = mask[..., s_a] = True  # every query sees at least one key in each part
+    full, _ = _attention(q, k, v, mask)
+    o_a, l_a = _attention(q, k[:, :s_a], v[:, :s_a], mask[..., :s_a])
+    o_b, l_b = _attention(q, k[:, s_a:], v[:, s_a:], mask[..., s_a:])
+    assert (merge_attention(o_a, l_a, o_b, l_b) - full).abs().max() < 1e-10
+
+
+@torch.no_grad()
+def test_splicing_own_kv_reproduces_full_prefill():
+    model = tiny_qwen2(3, 32, 4, 2, seed=0).float()
+    ids = torch.randint(0, 256, (20,))
+    full = model(ids[None]).logits[0, 12:]
+    base = model(ids[None, :12], use_cache=True).past_key_values
+    own = {i: (base.layers[i].keys[0].clone(), base.layers[i].values[0].clone()) for i in (1, 2)}
+    cache = splice_layers(copy.deepcopy(base), own)
+    out = model(ids[None, 12:], past_key_values=cache, position_ids=torch.arange(12, 20)[None]).logits[0]
+    assert (out - full).abs().max() < 1e-5
+    wrong = splice_layers(copy.deepcopy(base), {2: (own[2][0] * 0, own[2][1] * 0)})
+    changed = model(ids[None, 12:], past_key_values=wrong, position_ids=torch.arange(12, 20)[None]).logits[0]
+    assert (changed - full).abs().max() > 1e-3  # the splice really reaches the attention
+
+
+def test_hidden_translator_with_identity_map_reproduces_edge_kv():
+    model = tiny_qwen2(3, 32, 4, 2, seed=0).float()
+    ids = torch.randint(0, 256, (15,))
+    acts = capture(model, [ids], ("hidden_in", "k", "v"))
+    translator = HiddenTranslator()
+    for i in range(3):
+        translator.maps[i] = RidgeMap(torch.eye(32), torch.zeros(32), 0.0)
+        translator.info[i] = {"cloud_layer": i}
+    out = translator.translate(acts, model, [0, 1, 2])
+    for i in range(3):
+        keys, values = out[i]
+        assert (keys - acts.layers["k"][i].reshape(15, 2, 8).transpose(0, 1)).abs().max() <= 1e-5
+        assert (values - acts.layers["v"][i].reshape(15, 2, 8).transpose(0, 1)).abs().max() <= 1e-5
+        k2, _ = kv_from_hidden(model, i, acts.layers["hidden_in"][i])
+        assert torch.equal(k2, keys)
+
+
+def test_fidelity_harness_on_tiny_pair(tiny_models, calib_file):
+    cloud, edge = load_model(tiny_models["cloud"], "float32"), load_model(tiny_models["edge"], "float32")
+    texts = [t for t in calib_file.read_text().splitlines()]
+    seqs = [torch.tensor(edge.tokenizer(t)["input_ids"][:60]) for t in texts]
+    pairs = [(0, 0), (1, 2), (2, 3)]
+    translators = {}
+    for cls in (RidgeTranslator, HiddenTranslator):
+        c_cal = capture(cloud.model, seqs, cls.features)
+        e_cal = capture(edge.model, seqs, cls.features)
+        translators[cls.name] = cls().fit(c_cal, e_cal, pairs, edge.model)
+    text = HeldOutText("t", seqs[0][:40], seqs[0][40:60])
+    rows = evaluate_text(edge, cloud, text, translators, splits=[0, 2], sink=1)
+    by = {(r["condition"], r["m"]): r for r in rows}
+    assert by[("edge", None)]["top1_edge"] == 1.0 and by[("cloud", None)]["top1_cloud"] == 1.0
+    assert set(by) >= {("ridge", 0), ("ridge", 2), ("noise:ridge", 0), ("hidden", 2), ("no-prefix", None)}
+    assert all(r["nll"] > 0 for r in rows)
+    summary = summarize(rows + rows)
+    assert all(s["texts"] == 2 and s["nll_se"] == 0.0 for s in summary)
