@@ -26,6 +26,7 @@ from edgekv.kvmap import TRANSLATORS
 from edgekv.mapping import MappingParams, build_mapping
 from edgekv.models import load_model
 from edgekv.texts import iter_sharegpt, render_conversation, sharegpt_texts
+from edgekv.training import load_trained
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,6 +74,7 @@ def main() -> None:
     ap.add_argument("--heldout-offset", type=int, default=2000)
     ap.add_argument("--similarity", default=None)
     ap.add_argument("--out", default="runs/fidelity")
+    ap.add_argument("--trained", default=None, help="a checkpoint of bench/train_translator.py to evaluate too")
     args = ap.parse_args()
     splits = [int(m) for m in args.splits.split(",")]
     torch.manual_seed(0)
@@ -88,6 +90,8 @@ def main() -> None:
     translators = {name: TRANSLATORS[name]().fit(c_cal, e_cal, pairs, edge.model)
                    for name in args.translators.split(",")}
     del c_cal, e_cal
+    if args.trained:
+        translators["trained"] = load_trained(args.trained)
     print(f"calibration: {calib.description}; {len(seqs)} texts; mapping {mapping_name} from m=0; "
           f"fit in {time.perf_counter() - start:.0f} s")
     for name, t in translators.items():

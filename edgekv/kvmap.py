@@ -112,9 +112,10 @@ def _attn_norm(layer: torch.nn.Module) -> torch.nn.Module:
     raise ValueError(f"cannot find the pre-attention norm of {type(layer).__name__}")
 
 
-@torch.no_grad()
 def kv_from_hidden(model: torch.nn.Module, layer_index: int, hidden: torch.Tensor, start: int = 0) -> KVPair:
-    """The K (rotated at positions start..) and V a model's layer makes from its input hidden states (tokens, d)."""
+    """The K (rotated at positions start..) and V a model's layer makes from its input hidden states (tokens, d).
+
+    Differentiable in `hidden` (the trained translator learns through it); callers choose no_grad."""
     from edgekv.capture import decoder_layers
     from edgekv.compress import apply_rotary, attn_shape, split_heads
 
@@ -185,3 +186,21 @@ class HiddenTranslator:
         """Edge-space KV of the prompt the cloud activations cover (positions from 0)."""
         return {i: kv_from_hidden(edge_model, i, self.maps[i].apply(cloud_acts.layers["hidden_in"][self.info[i][
             "cloud_layer"]])) for i in edge_layers}
+
+
+@register_translator("trained")
+class TrainedTranslator(HiddenTranslator):
+    """The `hidden` translator's maps, trained end to end through the frozen edge model (see training.py):
+    the same forward as `hidden`, with weights that minimise the KL of the edge's next-token distribution."""
+
+    @classmethod
+    def from_hidden(cls, hidden: HiddenTranslator) -> "TrainedTranslator":
+        """Start from a fitted hidden-state translator (copies its maps)."""
+        out = cls()
+        out.maps = {i: RidgeMap(m.weight.clone(), m.bias.clone(), m.alpha) for i, m in hidden.maps.items()}
+        out.info = {i: dict(v) for i, v in hidden.info.items()}
+        return out
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The trainable tensors (every map's weight and bias), in layer order."""
+        return [t for i in sorted(self.maps) for t in (self.maps[i].weight, self.maps[i].bias)]

@@ -27,13 +27,13 @@ def byte_tokenizer(permute: bool = False):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=symbols[0], pad_token=symbols[0])
 
 
-def tiny_qwen2(layers: int, hidden: int, heads: int, kv_heads: int, seed: int):
+def tiny_qwen2(layers: int, hidden: int, heads: int, kv_heads: int, seed: int, init: float = 0.02):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
     cfg = Qwen2Config(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
-                      tie_word_embeddings=False)
+                      tie_word_embeddings=False, initializer_range=init)
     return Qwen2ForCausalLM(cfg).eval()
 
 
