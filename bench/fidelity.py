@@ -21,7 +21,7 @@ from rich.progress import Progress
 
 from edgekv.align import tokenize
 from edgekv.capture import capture
-from edgekv.fidelity import evaluate_text, split_texts, summarize, xsum_documents
+from edgekv.fidelity import evaluate_text, paired_delta, split_texts, summarize, xsum_documents
 from edgekv.kvmap import TRANSLATORS
 from edgekv.mapping import MappingParams, build_mapping
 from edgekv.models import load_model
@@ -106,9 +106,10 @@ def main() -> None:
     with Progress() as progress:
         task = progress.add_task("held-out texts", total=len(heldout))
         for n, text in enumerate(heldout):
-            rows += evaluate_text(edge, cloud, text, translators, splits, args.sink, seed=n)
+            rows += evaluate_text(edge, cloud, text, translators, splits, args.sink, seed=n, text_id=n)
             progress.advance(task)
-    summary = summarize(rows)
+    summary = summarize(rows) + [dict(d, nll=d["delta_nll"], nll_se=d["delta_nll_se"],
+                                      condition="Δ " + d["condition"]) for d in paired_delta(rows)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -117,7 +118,8 @@ def main() -> None:
                                                   "summary": summary}, indent=1))
     for source in ("sharegpt", "xsum"):
         for key in ("nll", "top1_edge", "top1_cloud"):
-            print(table(summary, source, key, splits))
+            print(table([s for s in summary if key == "nll" or not s["condition"].startswith("Δ")], source, key,
+                        splits))
             print()
 
 

@@ -1,7 +1,7 @@
 """Train the `trained` translator on the default pair: the `hidden` maps, tuned end to end through the frozen
 edge so that the edge's next-token distribution on a spliced cache matches a target.
 
-    python bench/train_translator.py [--m 12] [--target edge|cloud] [--minutes 15] [--lr 5e-5]
+    python -m bench.train_translator [--m 12] [--target edge|cloud] [--minutes 15] [--lr 5e-5]
                                      [--similarity runs/align-default/similarity.json] [--out runs/trained-m12]
 
 Calibration for the initial hidden maps: ShareGPT conversations 0..31 (as bench/fidelity.py). Training texts:

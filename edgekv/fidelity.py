@@ -81,7 +81,7 @@ def matched_noise(true: dict, translated: dict, seed: int) -> dict:
 
 @torch.no_grad()
 def evaluate_text(edge, cloud, text: HeldOutText, translators: dict, splits: list[int], sink: int,
-                  seed: int = 0) -> list[dict]:
+                  seed: int = 0, text_id: int = 0) -> list[dict]:
     """All conditions for one text → rows {condition, m, nll, top1_edge, top1_cloud}."""
     full = torch.cat([text.prefix, text.continuation])
     p = text.prefix.numel()
@@ -90,7 +90,7 @@ def evaluate_text(edge, cloud, text: HeldOutText, translators: dict, splits: lis
 
     def row(condition, m, logits, ref_edge, ref_cloud):
         nll, top = _nll_top1(logits, targets)
-        rows.append({"source": text.source, "condition": condition, "m": m, "nll": nll,
+        rows.append({"text": text_id, "source": text.source, "condition": condition, "m": m, "nll": nll,
                      "top1_edge": float((top == ref_edge).float().mean()) if ref_edge is not None else 1.0,
                      "top1_cloud": float((top == ref_cloud).float().mean()) if ref_cloud is not None else 1.0})
 
@@ -133,4 +133,21 @@ def summarize(rows: list[dict]) -> list[dict]:
             stats[key] = float(vals.mean())
             stats[key + "_se"] = float(vals.std(unbiased=True) / math.sqrt(n)) if n > 1 else float("nan")
         out.append(stats)
+    return out
+
+
+def paired_delta(rows: list[dict], reference: str = "edge") -> list[dict]:
+    """Per (source, condition, m): mean over texts of NLL minus the same text's reference NLL, with its standard
+    error (paired, so text difficulty cancels)."""
+    ref = {(r["source"], r["text"]): r["nll"] for r in rows if r["condition"] == reference}
+    groups: dict[tuple, list[float]] = {}
+    for r in rows:
+        if r["condition"] != reference:
+            groups.setdefault((r["source"], r["condition"], r["m"]), []).append(r["nll"] - ref[(r["source"], r["text"])])
+    out = []
+    for (source, condition, m), d in groups.items():
+        t = torch.tensor(d, dtype=torch.float64)
+        se = float(t.std(unbiased=True) / math.sqrt(len(d))) if len(d) > 1 else float("nan")
+        out.append({"source": source, "condition": condition, "m": m, "texts": len(d), "delta_nll": float(t.mean()),
+                    "delta_nll_se": se})
     return out

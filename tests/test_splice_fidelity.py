@@ -85,3 +85,14 @@ def test_fidelity_harness_on_tiny_pair(tiny_models, calib_file):
     assert all(r["nll"] > 0 for r in rows)
     summary = summarize(rows + rows)
     assert all(s["texts"] == 2 and s["nll_se"] == 0.0 for s in summary)
+
+
+def test_paired_delta():
+    from edgekv.fidelity import paired_delta
+
+    rows = [{"text": t, "source": "s", "condition": c, "m": m, "nll": v}
+            for t, (e, x) in enumerate([(1.0, 1.5), (3.0, 3.1), (2.0, 2.2)])
+            for c, m, v in (("edge", None, e), ("ridge", 4, x))]
+    (d,) = paired_delta(rows)
+    assert d["delta_nll"] == pytest.approx((0.5 + 0.1 + 0.2) / 3)
+    assert d["delta_nll_se"] == pytest.approx(torch.tensor([0.5, 0.1, 0.2], dtype=torch.float64).std().item() / 3 ** 0.5)
