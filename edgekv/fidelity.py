@@ -143,7 +143,8 @@ def paired_delta(rows: list[dict], reference: str = "edge") -> list[dict]:
     groups: dict[tuple, list[float]] = {}
     for r in rows:
         if r["condition"] != reference:
-            groups.setdefault((r["source"], r["condition"], r["m"]), []).append(r["nll"] - ref[(r["source"], r["text"])])
+            delta = r["nll"] - ref[(r["source"], r["text"])]
+            groups.setdefault((r["source"], r["condition"], r["m"]), []).append(delta)
     out = []
     for (source, condition, m), d in groups.items():
         t = torch.tensor(d, dtype=torch.float64)

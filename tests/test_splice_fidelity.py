@@ -95,4 +95,5 @@ def test_paired_delta():
             for c, m, v in (("edge", None, e), ("ridge", 4, x))]
     (d,) = paired_delta(rows)
     assert d["delta_nll"] == pytest.approx((0.5 + 0.1 + 0.2) / 3)
-    assert d["delta_nll_se"] == pytest.approx(torch.tensor([0.5, 0.1, 0.2], dtype=torch.float64).std().item() / 3 ** 0.5)
+    spread = torch.tensor([0.5, 0.1, 0.2], dtype=torch.float64).std().item()
+    assert d["delta_nll_se"] == pytest.approx(spread / 3 ** 0.5)
