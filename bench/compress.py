@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
+from edgekv.capture import attn_shape
 from edgekv.compress import (
     CompressConfig,
     _calibration,
-    attn_shape,
     encode_layer,
     heterogeneous_layers,
     raw_fp16_bytes,

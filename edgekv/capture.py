@@ -184,3 +184,28 @@ def _capture(model, sequences, features, select, on_text, on_output, chunks, hoo
         text_index=torch.cat(text_out) if text_out else torch.zeros(0, dtype=torch.long),
         num_layers=num_layers,
     )
+
+
+def attn_shape(model: torch.nn.Module) -> tuple[int, int, int]:
+    """(query heads, KV heads, head_dim) of a model's attention."""
+    c = model.config
+    heads = c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    return heads, kv_heads, getattr(c, "head_dim", None) or c.hidden_size // heads
+
+
+def split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """(tokens, heads·d) → (heads, tokens, d)."""
+    return x.reshape(x.shape[0], heads, -1).transpose(0, 1).contiguous()
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """(heads, tokens, d) → (tokens, heads·d)."""
+    return x.transpose(0, 1).reshape(x.shape[1], -1)
+
+
+def apply_rotary(model: torch.nn.Module, keys: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """Rotate (heads, tokens, d) un-rotated keys with `model`'s rotary at positions start.. (identity without)."""
+    positions = torch.arange(start, start + keys.shape[1])[None]
+    cs = rotary_cos_sin(model, positions, keys[None].float())
+    return keys if cs is None else rotate_keys(keys[None].float(), *cs)[0]

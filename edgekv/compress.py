@@ -17,7 +17,7 @@ import torch
 
 from edgekv import EdgeKVError
 from edgekv.atomic import write_text_atomic
-from edgekv.capture import Activations, capture, rotary_cos_sin, rotate_keys
+from edgekv.capture import Activations, apply_rotary, attn_shape, capture, rotary_cos_sin, split_heads
 from edgekv.config import command_config, to_dict
 from edgekv.kvmap import RidgeMap, fit_ridge, split_by_text
 from edgekv.kvstore import token_ids_sha256, tokenizer_fingerprint, write_export
@@ -90,34 +90,6 @@ def read_system_prompt(value: str) -> str:
     if not value.strip():
         raise EdgeKVError("the system prompt is empty")
     return value
-
-
-# ---------------------------------------------------------------------------------------------- shapes
-
-
-def attn_shape(model: torch.nn.Module) -> tuple[int, int, int]:
-    """(query heads, KV heads, head_dim) of a model's attention."""
-    c = model.config
-    heads = c.num_attention_heads
-    kv_heads = getattr(c, "num_key_value_heads", None) or heads
-    return heads, kv_heads, getattr(c, "head_dim", None) or c.hidden_size // heads
-
-
-def split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """(tokens, heads·d) → (heads, tokens, d)."""
-    return x.reshape(x.shape[0], heads, -1).transpose(0, 1).contiguous()
-
-
-def merge_heads(x: torch.Tensor) -> torch.Tensor:
-    """(heads, tokens, d) → (tokens, heads·d)."""
-    return x.transpose(0, 1).reshape(x.shape[1], -1)
-
-
-def apply_rotary(model: torch.nn.Module, keys: torch.Tensor, start: int = 0) -> torch.Tensor:
-    """Rotate (heads, tokens, d) un-rotated keys with `model`'s rotary at positions start.. (identity without)."""
-    positions = torch.arange(start, start + keys.shape[1])[None]
-    cs = rotary_cos_sin(model, positions, keys[None].float())
-    return keys if cs is None else rotate_keys(keys[None].float(), *cs)[0]
 
 
 # ---------------------------------------------------------------------------------------------- encoding

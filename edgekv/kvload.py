@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from edgekv.capture import apply_rotary, attn_shape, merge_heads, split_heads
 from edgekv.kvmap import RidgeMap
 from edgekv.kvstore import KVExport, KVStoreError
 from edgekv.pruning import PrunedKeys
@@ -59,8 +60,6 @@ def decode_layer(export: KVExport, edge_layer: int) -> DecodedLayer:
 def edge_kv(layer: DecodedLayer, edge_model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """Full-width edge-space (keys, values), each (kv_heads, tokens, head_dim): channels zero-filled, and for
     exports whose map runs on the edge, mapped from cloud space and rotated with the edge's own rotary."""
-    from edgekv.compress import apply_rotary, attn_shape, merge_heads, split_heads
-
     keys = layer.keys.zero_filled()
     if layer.maps is None:
         return keys, layer.values

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from edgekv import EdgeKVError
+from edgekv.capture import apply_rotary, attn_shape, decoder_layers, split_heads
 
 ALPHAS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # relative to the mean eigenvalue of XᵀX
 
@@ -116,9 +117,6 @@ def kv_from_hidden(model: torch.nn.Module, layer_index: int, hidden: torch.Tenso
     """The K (rotated at positions start..) and V a model's layer makes from its input hidden states (tokens, d).
 
     Differentiable in `hidden` (the trained translator learns through it); callers choose no_grad."""
-    from edgekv.capture import decoder_layers
-    from edgekv.compress import apply_rotary, attn_shape, split_heads
-
     layer = decoder_layers(model)[layer_index]
     attn = layer.self_attn
     weight = attn.k_proj.weight
@@ -151,8 +149,6 @@ class RidgeTranslator:
 
     def translate(self, cloud_acts, edge_model, edge_layers: list[int]) -> dict[int, KVPair]:
         """Edge-space KV of the prompt the cloud activations cover (positions from 0)."""
-        from edgekv.compress import apply_rotary, attn_shape, split_heads
-
         _, kv_heads, _ = attn_shape(edge_model)
         out = {}
         for i in edge_layers:
