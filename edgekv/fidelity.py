@@ -88,11 +88,11 @@ def evaluate_text(edge, cloud, text: HeldOutText, translators: dict, splits: lis
     targets = text.continuation[1:]
     rows = []
 
-    def row(condition, m, logits, ref_edge, ref_cloud):
+    def row(condition, m, logits):
         nll, top = _nll_top1(logits, targets)
         rows.append({"text": text_id, "source": text.source, "condition": condition, "m": m, "nll": nll,
-                     "top1_edge": float((top == ref_edge).float().mean()) if ref_edge is not None else 1.0,
-                     "top1_cloud": float((top == ref_cloud).float().mean()) if ref_cloud is not None else 1.0})
+                     "top1_edge": float((top == edge_top).float().mean()),
+                     "top1_cloud": float((top == cloud_top).float().mean())})
 
     edge_logits = edge.model(full[None]).logits[0, p:-1]
     edge_top = edge_logits.argmax(-1)
@@ -102,9 +102,9 @@ def evaluate_text(edge, cloud, text: HeldOutText, translators: dict, splits: lis
                          on_output=lambda t, out: seen.append(out.logits[0, p:-1]))
     cloud_logits = seen[0]
     cloud_top = cloud_logits.argmax(-1)
-    row("edge", None, edge_logits, edge_top, cloud_top)
-    row("cloud", None, cloud_logits, edge_top, cloud_top)
-    row("no-prefix", None, edge.model(text.continuation[None, :-1]).logits[0], edge_top, cloud_top)
+    row("edge", None, edge_logits)
+    row("cloud", None, cloud_logits)
+    row("no-prefix", None, edge.model(text.continuation[None, :-1]).logits[0])
 
     base = edge.model(text.prefix[None], use_cache=True).past_key_values
     own = {i: (base.layers[i].keys[0].float(), base.layers[i].values[0].float()) for i in range(edge.num_layers)}
@@ -115,7 +115,7 @@ def evaluate_text(edge, cloud, text: HeldOutText, translators: dict, splits: lis
             deep = [i for i in translated if i >= m]
             for condition, kv in ((name, translated), (f"noise:{name}", noisy)):
                 cache = splice_layers(copy.deepcopy(base), {i: kv[i] for i in deep}, keep_first=sink)
-                row(condition, m, _continue(edge.model, cache, text.continuation, p), edge_top, cloud_top)
+                row(condition, m, _continue(edge.model, cache, text.continuation, p))
     return rows
 
 
