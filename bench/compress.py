@@ -21,11 +21,13 @@ from edgekv.compress import (
     CompressConfig,
     _calibration,
     encode_layer,
+    get_translator,
     heterogeneous_layers,
     raw_fp16_bytes,
     resolve_pairs,
 )
 from edgekv.models import load_model
+from edgekv.steps import Steps
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,18 +47,22 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--mapping", default=None)
     ap.add_argument("--map-on", default="cloud", choices=["cloud", "edge"])
+    ap.add_argument("--translator", default="ridge", choices=["ridge", "hidden"])
     ap.add_argument("--ratios", default="0,0.25,0.5,0.75")
     ap.add_argument("--quants", default="fp16,int8,int4")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    cfg = CompressConfig(out="unused", system_prompt="unused", mapping=args.mapping, map_on=args.map_on)
+    cfg = CompressConfig(out="unused", system_prompt="unused", mapping=args.mapping, map_on=args.map_on,
+                         translator=args.translator)
     cloud, edge = load_model(cfg.cloud), load_model(cfg.edge)
     ids = xsum_prompt(edge.tokenizer, args.tokens)
     pairs, source = resolve_pairs(cfg, cloud.num_layers, edge.num_layers, same=False)
     timings: dict = {}
     start = time.perf_counter()
-    layers = heterogeneous_layers(cloud, edge, ids, pairs, cfg, _calibration(cfg, edge.tokenizer), timings)
+    translator, edge_cal = get_translator(cfg, cloud, edge, pairs, _calibration(cfg, edge.tokenizer), Steps())
+    timings["calibration_s"] = time.perf_counter() - start
+    layers = heterogeneous_layers(cloud, edge, ids, translator, edge_cal, cfg)
     print(f"system prompt: {ids.numel()} XSum tokens; mapping: {source}; map on {args.map_on}; "
           f"calibration + cloud KV {time.perf_counter() - start:.1f} s")
     print("held-out R² per edge layer ← cloud layer:")

@@ -74,7 +74,8 @@ def main() -> None:
     ap.add_argument("--heldout-offset", type=int, default=2000)
     ap.add_argument("--similarity", default=None)
     ap.add_argument("--out", default="runs/fidelity")
-    ap.add_argument("--trained", default=None, help="a checkpoint of bench/train_translator.py to evaluate too")
+    ap.add_argument("--trained", default=None,
+                    help="checkpoints of bench/train_translator.py to evaluate too: PATH or NAME=PATH,NAME=PATH")
     args = ap.parse_args()
     splits = [int(m) for m in args.splits.split(",")]
     torch.manual_seed(0)
@@ -90,8 +91,9 @@ def main() -> None:
     translators = {name: TRANSLATORS[name]().fit(c_cal, e_cal, pairs, edge.model)
                    for name in args.translators.split(",")}
     del c_cal, e_cal
-    if args.trained:
-        translators["trained"] = load_trained(args.trained)
+    for item in (args.trained.split(",") if args.trained else []):
+        name, _, path = item.rpartition("=")
+        translators[name or "trained"] = load_trained(path, cloud.fingerprint, edge.fingerprint)
     print(f"calibration: {calib.description}; {len(seqs)} texts; mapping {mapping_name} from m=0; "
           f"fit in {time.perf_counter() - start:.0f} s")
     for name, t in translators.items():

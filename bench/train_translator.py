@@ -65,7 +65,7 @@ def main() -> None:
         task = bar.add_task("train", total=args.max_steps, kl="")
 
         log = train(edge, trained, examples, m=args.m, steps=args.max_steps, lr=args.lr, sink=args.sink,
-                    checkpoint=args.out, every=25,
+                    checkpoint=args.out, every=25, pair=(cloud.fingerprint, edge.fingerprint),
                     on_step=lambda step, kl: bar.update(task, completed=step, kl=f"step {step} KL {kl:.4f}"),
                     stop=lambda step: time.perf_counter() > deadline)
     window = max(1, len(examples))

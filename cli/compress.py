@@ -26,6 +26,9 @@ def compress(
     keep_recent: Optional[int] = typer.Option(None, help="Last r tokens keep every key channel [0]."),
     quant: Optional[str] = typer.Option(None, help="fp16, bf16, int8 or int4 [fp16]."),
     map_on: Optional[str] = typer.Option(None, help="Apply the cross-model map on the cloud or the edge [cloud]."),
+    translator: Optional[str] = typer.Option(None, help="Cross-model translator: ridge, hidden or trained [ridge]."),
+    translator_path: Optional[Path] = typer.Option(None, help="A saved translator (needed for trained) [fit one]."),
+    local_sink_tokens: Optional[int] = typer.Option(None, help="First s prompt tokens the edge computes itself [1]."),
     calib: Optional[Path] = typer.Option(None, help="Calibration texts for the maps (.jsonl/.txt) [ShareGPT]."),
     calib_texts: Optional[int] = typer.Option(None, help="Calibration texts [16]."),
     calib_tokens: Optional[int] = typer.Option(None, help="Tokens per calibration text [256]."),
@@ -38,7 +41,9 @@ def compress(
     """Compress the cloud's system-prompt KV (ThinK pruning, quantization, cross-model maps) into a KV export."""
     overrides = dict(cloud=cloud, edge=edge, system_prompt=system_prompt, out=str(out) if out else None,
                      mapping=str(mapping) if mapping else None, start_layer=start_layer, prune_ratio=prune_ratio,
-                     window=window, keep_recent=keep_recent, quant=quant, map_on=map_on,
+                     window=window, keep_recent=keep_recent, quant=quant, map_on=map_on, translator=translator,
+                     translator_path=str(translator_path) if translator_path else None,
+                     local_sink_tokens=local_sink_tokens,
                      calib=str(calib) if calib else None, calib_texts=calib_texts, calib_tokens=calib_tokens,
                      tar=tar, dtype=dtype, device_map=device_map, seed=seed)
     cfg = load_config(CompressConfig, "compress", config, overrides)
@@ -46,16 +51,16 @@ def compress(
         report = run_compress(cfg, progress)
     table = Table(title=f"{report['regime']} export: {report['system_prompt_tokens']} system-prompt tokens")
     columns = ["edge ← cloud", "kept ch.", "attn err (prune)", "attn err (total)", "value err", "bytes"]
-    if report["regime"] == "heterogeneous":
-        columns += ["R² K", "R² V"]
+    r2_keys = [k for k in ("r2_k", "r2_v", "r2_hidden") if report["layers"] and k in report["layers"][0]]
+    columns += [f"R² {k[3:]}" for k in r2_keys]
     for column in columns:
         table.add_column(column, justify="right")
     for r in report["layers"]:
+        total = "–" if r["attn_error_total"] is None else f"{r['attn_error_total']:.4f}"
         cells = [f"{r['edge_layer']} ← {r['cloud_layer']}", f"{r['kept_channels']}/{r['head_dim']}",
-                 f"{r['attn_error_prune']:.4f}", f"{r['attn_error_total']:.4f}", f"{r['value_error']:.4f}",
-                 f"{r['bytes']:,}"]
-        if "r2_k" in r:
-            cells += [f"{r['r2_k']:.3f}", f"{r['r2_v']:.3f}"]
+                 f"{r['attn_error_prune']:.4f}", total,
+                 f"{r['value_error']:.4f}", f"{r['bytes']:,}"]
+        cells += [f"{r[k]:.3f}" for k in r2_keys]
         table.add_row(*cells)
     console.print(table)
     console.print(f"bytes: {report['bytes_written']:,} written vs {report['raw_fp16_cloud_bytes']:,} raw fp16 cloud KV "

@@ -8,8 +8,9 @@ import typer
 from transformers.utils import logging as hf_logging
 
 from cli.align import align
-from cli.common import fail
 from cli.compress import compress
+from cli.eval import eval_
+from cli.serve_edge import serve_edge
 
 app = typer.Typer(
     name="edgekv",
@@ -20,23 +21,14 @@ app = typer.Typer(
 )
 app.command("align")(align)
 app.command("compress")(compress)
+app.command("serve-edge")(serve_edge)
+app.command("eval")(eval_)
 hf_logging.disable_progress_bar()  # our own rich bars report progress; HF's tqdm lines would interleave
 _handler = logging.StreamHandler()  # stderr: one-time notices such as the first conversion of a default model
 _handler.setFormatter(logging.Formatter("edgekv: %(message)s"))
 logging.getLogger("edgekv").addHandler(_handler)
 logging.getLogger("edgekv").setLevel(logging.INFO)
 
-
-def _not_yet(name: str, issue: str):
-    def command() -> None:
-        fail(f"'edgekv {name}' is not yet available (planned: {issue})", 2)
-
-    command.__doc__ = f"(not yet available) {issue}."
-    return command
-
-
-app.command("serve-edge")(_not_yet("serve-edge", "decoding on spliced caches, pipelined loading, HTTP/batch"))
-app.command("eval")(_not_yet("eval", "strategies × XSum/MMLU/ShareGPT, Table II, latency curves"))
 
 if __name__ == "__main__":
     app()

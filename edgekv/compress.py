@@ -17,10 +17,18 @@ import torch
 
 from edgekv import EdgeKVError
 from edgekv.atomic import write_text_atomic
-from edgekv.capture import Activations, apply_rotary, attn_shape, capture, rotary_cos_sin, split_heads
+from edgekv.capture import attn_shape, capture, rotary_cos_sin, split_heads
 from edgekv.config import command_config, to_dict
-from edgekv.kvmap import RidgeMap, fit_ridge, split_by_text
-from edgekv.kvstore import token_ids_sha256, tokenizer_fingerprint, write_export
+from edgekv.kvmap import (
+    TRANSLATOR_CONFIG,
+    TRANSLATOR_TENSORS,
+    TRANSLATORS,
+    Translator,
+    load_translator,
+    split_by_text,
+    translator_files,
+)
+from edgekv.kvstore import sha256_bytes, token_ids_sha256, tokenizer_fingerprint, write_export
 from edgekv.mapping import MappingParams, build_mapping
 from edgekv.models import DTYPES, LoadedModel, check_tokenizers, load_model
 from edgekv.pruning import attention_error, check_ratio, prune_keys, think_scores, think_select
@@ -47,6 +55,9 @@ class CompressConfig:
     keep_recent: int = 0
     quant: str = "fp16"
     map_on: str = "cloud"
+    translator: str = "ridge"  # ridge | hidden | trained (see kvmap.TRANSLATORS)
+    translator_path: str | None = None  # a saved translator (required for trained); None: fit on calibration
+    local_sink_tokens: int = 1  # the edge computes the first s system-prompt tokens' deep KV itself
     calib: str | None = None  # calibration texts for the maps; None: ShareGPT
     calib_texts: int = 16
     calib_tokens: int = 256
@@ -69,6 +80,13 @@ class CompressConfig:
             raise EdgeKVError(f"unknown --quant '{self.quant}' (choose from {', '.join(SCHEMES)})")
         if self.map_on not in ("cloud", "edge"):
             raise EdgeKVError(f"--map-on must be 'cloud' or 'edge', got '{self.map_on}'")
+        if self.translator not in TRANSLATORS:
+            raise EdgeKVError(f"unknown --translator '{self.translator}' (choose from {', '.join(TRANSLATORS)})")
+        if self.translator == "trained" and not self.translator_path:
+            raise EdgeKVError("--translator trained needs --translator-path (a checkpoint of "
+                              "`python -m bench.train_translator`)")
+        if self.local_sink_tokens < 0:
+            raise EdgeKVError(f"--local-sink-tokens must be ≥ 0, got {self.local_sink_tokens}")
         if self.dtype not in DTYPES:
             raise EdgeKVError(f"unknown dtype '{self.dtype}' (choose from {', '.join(DTYPES)})")
         if self.calib_texts < 3 or self.calib_tokens < 2:
@@ -102,13 +120,13 @@ class LayerKV:
 
     edge_layer: int
     cloud_layer: int
-    keys: torch.Tensor
-    values: torch.Tensor
-    q_obs: torch.Tensor
-    q_heldout: torch.Tensor
-    space: str  # "edge" (edge-shaped, rotated) or "cloud-unrotated" (map runs on the edge)
-    maps: tuple[RidgeMap, RidgeMap] | None = None
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
+    q_obs: torch.Tensor | None
+    q_heldout: torch.Tensor | None
+    space: str  # "edge" (edge-shaped, rotated), "cloud-unrotated" or "cloud-hidden" (translator on the edge)
     map_info: dict | None = None
+    hidden: torch.Tensor | None = None  # (tokens, d_cloud) for "cloud-hidden"
 
 
 def _quant_tensors(prefix: str, q: Quantized) -> dict[str, torch.Tensor]:
@@ -120,6 +138,8 @@ def _quant_tensors(prefix: str, q: Quantized) -> dict[str, torch.Tensor]:
 
 def encode_layer(kv: LayerKV, prune_ratio: float, quant: str, keep_recent: int) -> tuple[dict, dict, dict]:
     """ThinK-prune and quantize one layer → (safetensors tensors, manifest entry, report row)."""
+    if kv.space == "cloud-hidden":
+        return _encode_hidden(kv, quant)
     keep_recent = min(keep_recent, kv.keys.shape[1])
     index = think_select(think_scores(kv.q_obs, kv.keys), prune_ratio)
     pruned = prune_keys(kv.keys.float(), index, keep_recent)
@@ -135,9 +155,6 @@ def encode_layer(kv: LayerKV, prune_ratio: float, quant: str, keep_recent: int) 
         rq = quantize(pruned.recent, quant, axis="channel")
         tensors.update(_quant_tensors("key_recent", rq))
         entry["key_recent"] = rq.params()
-    if kv.maps is not None:
-        tensors.update({**kv.maps[0].tensors("map.k"), **kv.maps[1].tensors("map.v")})
-        entry["map"] = {"kind": "ridge", "alpha_k": kv.maps[0].alpha, "alpha_v": kv.maps[1].alpha}
     # errors on held-out queries: channel pruning alone, then pruning + quantization of the keys
     k_hat = dequantize(kq)
     restored = type(pruned)(k_hat, index, dequantize(rq) if keep_recent else pruned.recent, pruned.head_dim)
@@ -155,6 +172,17 @@ def encode_layer(kv: LayerKV, prune_ratio: float, quant: str, keep_recent: int) 
         **(kv.map_info or {}),
     }
     return tensors, entry, row
+
+
+def _encode_hidden(kv: LayerKV, quant: str) -> tuple[dict, dict, dict]:
+    """Quantize the cloud's hidden states (one scale per token); nothing to prune: there are no keys yet."""
+    hq = quantize(kv.hidden.float(), quant, axis="token")
+    entry = {"edge_layer": kv.edge_layer, "cloud_layer": kv.cloud_layer, "space": kv.space, "hidden": hq.params()}
+    err = float((dequantize(hq) - kv.hidden.float()).norm() / kv.hidden.float().norm().clamp_min(1e-30))
+    row = {"edge_layer": kv.edge_layer, "cloud_layer": kv.cloud_layer, "kept_channels": int(kv.hidden.shape[1]),
+           "head_dim": int(kv.hidden.shape[1]), "attn_error_prune": 0.0, "attn_error_total": None,
+           "value_error": err, "bytes": hq.nbytes, **(kv.map_info or {})}
+    return _quant_tensors("hidden", hq), entry, row
 
 
 # ---------------------------------------------------------------------------------------------- sources
@@ -196,31 +224,31 @@ def _calibration(cfg: CompressConfig, tokenizer) -> list[torch.Tensor]:
     return seqs
 
 
-def fit_layer_maps(cloud_acts: Activations, edge_acts: Activations, pairs: list[tuple[int, int]]):
-    """Ridge maps for each (edge layer, cloud layer): keys on un-rotated keys, values on values."""
-    maps, info = {}, {}
-    for i, j in pairs:
-        mk, ik = fit_ridge(cloud_acts.layers["k_unrot"][j], edge_acts.layers["k_unrot"][i], edge_acts.text_index)
-        mv, iv = fit_ridge(cloud_acts.layers["v"][j], edge_acts.layers["v"][i], edge_acts.text_index)
-        maps[i] = (mk, mv)
-        info[i] = {"r2_k": ik["r2_test"], "r2_v": iv["r2_test"], "alpha_k": ik["alpha"], "alpha_v": iv["alpha"]}
-    return maps, info
+def get_translator(cfg: CompressConfig, cloud: LoadedModel, edge: LoadedModel, pairs: list[tuple[int, int]],
+                   calib: list[torch.Tensor], steps: Steps) -> tuple[Translator, dict]:
+    """The translator: loaded from --translator-path (checked against this model pair), or fitted on the
+    calibration texts for `pairs`. Also returns the edge's calibration captures (for ThinK scoring queries)."""
+    if cfg.translator_path:  # loaded (and checked) before any forward pass: a wrong one fails fast
+        translator = load_translator(cfg.translator_path, cloud.fingerprint, edge.fingerprint)
+        if translator.name != cfg.translator:
+            raise EdgeKVError(f"{cfg.translator_path}: a '{translator.name}' translator, not '{cfg.translator}'")
+        return translator, capture(edge.model, calib, ("q",), on_text=steps.task("calibration: edge", len(calib)))
+    edge_cal = capture(edge.model, calib, ("q", *TRANSLATORS[cfg.translator].features),
+                       on_text=steps.task("calibration: edge", len(calib)))
+    cloud_cal = capture(cloud.model, calib, TRANSLATORS[cfg.translator].features,
+                        on_text=steps.task("calibration: cloud", len(calib)))
+    return TRANSLATORS[cfg.translator]().fit(cloud_cal, edge_cal, pairs, edge.model), edge_cal
 
 
-def heterogeneous_layers(cloud: LoadedModel, edge: LoadedModel, ids: torch.Tensor, pairs: list[tuple[int, int]],
-                         cfg: CompressConfig, calib: list[torch.Tensor], timings: dict,
-                         steps: Steps | None = None) -> list[LayerKV]:
-    """Cloud KV of the system prompt for each mapped pair, in the shipped space, with the scoring queries."""
+def heterogeneous_layers(cloud: LoadedModel, edge: LoadedModel, ids: torch.Tensor, translator: Translator,
+                         edge_cal, cfg: CompressConfig, steps: Steps | None = None) -> list[LayerKV]:
+    """What is shipped for each of the translator's pairs: edge-shaped KV (map on the cloud) or the cloud-space
+    features the edge's translator needs (map on the edge), with the queries that score key channels."""
     steps = steps or Steps()
-    start = time.perf_counter()
-    cloud_cal = capture(cloud.model, calib, ("k_unrot", "v"), on_text=steps.task("calibration: cloud", len(calib)))
-    edge_cal = capture(edge.model, calib, ("k_unrot", "v", "q"), on_text=steps.task("calibration: edge", len(calib)))
-    maps, map_info = fit_layer_maps(cloud_cal, edge_cal, pairs)
-    timings["calibration_s"] = time.perf_counter() - start
-    cloud_prompt = capture(cloud.model, [ids], ("k_unrot", "v", "q_unrot"),
-                           on_text=steps.task("system prompt: cloud forward", 1))
+    features = (*translator.features, "q_unrot")
+    cloud_prompt = capture(cloud.model, [ids], features, on_text=steps.task("system prompt: cloud forward", 1))
     c_heads, c_kv, _ = attn_shape(cloud.model)
-    e_heads, e_kv, _ = attn_shape(edge.model)
+    e_heads, _, _ = attn_shape(edge.model)
     # edge-space scoring queries come from calibration (the cloud never runs the edge on the prompt):
     # the last w positions of each train/validation text observe, the test texts are held out
     _, _, test = split_by_text(edge_cal.text_index)
@@ -229,19 +257,22 @@ def heterogeneous_layers(cloud: LoadedModel, edge: LoadedModel, ids: torch.Tenso
         rows = (edge_cal.text_index == t).nonzero().flatten()
         last[rows[-cfg.window:]] = True
     layers = []
-    for i, j in pairs:
-        k_cloud, v_cloud = cloud_prompt.layers["k_unrot"][j], cloud_prompt.layers["v"][j]
+    for i, j in translator.pairs():
+        info = {k: v for k, v in translator.info[i].items() if k != "cloud_layer"}
+        feats = {f: cloud_prompt.layers[f][j] for f in translator.features}
         if cfg.map_on == "cloud":
-            keys = apply_rotary(edge.model, split_heads(maps[i][0].apply(k_cloud), e_kv))
-            values = split_heads(maps[i][1].apply(v_cloud), e_kv)
+            with torch.no_grad():
+                keys, values = translator.layer_kv(edge.model, i, feats)
             q_all = edge_cal.layers["q"][i]
             q_obs, q_held = split_heads(q_all[last & ~test], e_heads), split_heads(q_all[test], e_heads)
-            layers.append(LayerKV(i, j, keys, values, q_obs, q_held, "edge", None, map_info[i]))
+            layers.append(LayerKV(i, j, keys, values, q_obs, q_held, "edge", info))
+        elif "hidden_in" in feats:
+            layers.append(LayerKV(i, j, None, None, None, None, "cloud-hidden", info, hidden=feats["hidden_in"]))
         else:
             q_obs, q_held = _window_and_heldout(split_heads(cloud_prompt.layers["q_unrot"][j], c_heads), cfg.window,
                                                 seed=cfg.seed)
-            layers.append(LayerKV(i, j, split_heads(k_cloud, c_kv), split_heads(v_cloud, c_kv), q_obs, q_held,
-                                  "cloud-unrotated", maps[i], map_info[i]))
+            layers.append(LayerKV(i, j, split_heads(feats["k_unrot"], c_kv), split_heads(feats["v"], c_kv), q_obs,
+                                  q_held, "cloud-unrotated", info))
     return layers
 
 
@@ -285,20 +316,30 @@ def model_info(m: LoadedModel) -> dict:
                                      torch.zeros(1, 1, 1, head_dim)) is not None}
 
 
+def _mean(values: list) -> float | None:
+    """Mean of the values that exist (None where none do)."""
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
 def raw_fp16_bytes(tokens: int, kv_heads: int, head_dim: int) -> int:
     """Bytes of one layer's K and V in fp16."""
     return 2 * tokens * kv_heads * head_dim * 2
 
 
-def run_compress(cfg: CompressConfig, progress=None) -> dict:
-    """Build the KV export in cfg.out (atomically) and return the report (also written as report.json)."""
+def run_compress(cfg: CompressConfig, progress=None, models: tuple[LoadedModel, LoadedModel] | None = None) -> dict:
+    """Build the KV export in cfg.out (atomically) and return the report (also written as report.json).
+    `models` = (cloud, edge) already loaded (as cfg names them) saves loading them again."""
     cfg.validate()
     prompt = read_system_prompt(cfg.system_prompt)
     timings: dict[str, float] = {}
     start = time.perf_counter()
     same = cfg.cloud == cfg.edge
-    edge = load_model(cfg.edge, cfg.dtype, cfg.device_map)
-    cloud = edge if same else load_model(cfg.cloud, cfg.dtype, cfg.device_map)
+    if models is not None:
+        cloud, edge = models
+    else:
+        edge = load_model(cfg.edge, cfg.dtype, cfg.device_map)
+        cloud = edge if same else load_model(cfg.cloud, cfg.dtype, cfg.device_map)
     check_tokenizers(cloud.tokenizer, edge.tokenizer)
     timings["load_s"] = time.perf_counter() - start
     ids = torch.tensor(edge.tokenizer(prompt, add_special_tokens=True)["input_ids"], dtype=torch.long)
@@ -310,11 +351,20 @@ def run_compress(cfg: CompressConfig, progress=None) -> dict:
 
     start = time.perf_counter()
     steps = Steps(progress)
+    translator, extra = None, {}
     if same:
         layers = same_model_layers(edge, ids, pairs[0][0], cfg.window, cfg.seed, steps)
     else:
-        calib = _calibration(cfg, edge.tokenizer)
-        layers = heterogeneous_layers(cloud, edge, ids, pairs, cfg, calib, timings, steps)
+        translator, edge_cal = get_translator(cfg, cloud, edge, pairs, _calibration(cfg, edge.tokenizer), steps)
+        if cfg.translator_path:  # the saved translator's pairing wins over --mapping
+            pairs = [p for p in translator.pairs() if cfg.start_layer is None or p[0] >= cfg.start_layer]
+            translator.info = {i: translator.info[i] for i, _ in pairs}
+            mapping_source = f"pairs of translator {cfg.translator_path}"
+        timings["calibration_s"] = time.perf_counter() - start
+        layers = heterogeneous_layers(cloud, edge, ids, translator, edge_cal, cfg, steps)
+        files = translator_files(translator, cloud.fingerprint, edge.fingerprint)
+        if cfg.map_on == "edge":
+            extra = files
     timings["cloud_kv_s"] = time.perf_counter() - start - timings.get("calibration_s", 0.0)
 
     start = time.perf_counter()
@@ -338,29 +388,39 @@ def run_compress(cfg: CompressConfig, progress=None) -> dict:
                           "token_ids": ids.tolist()},
         "start_layer": pairs[0][0], "mapping": mapping_source,
         "map_location": "none" if same else cfg.map_on,
+        "local_sink_tokens": 0 if same else min(cfg.local_sink_tokens, n),
         "prune": {"method": "think", "ratio": cfg.prune_ratio, "window": cfg.window, "keep_recent": cfg.keep_recent,
                   "queries": "own window" if same or cfg.map_on == "edge" else "edge calibration windows"},
         "quant": cfg.quant,
         "layers": entries,
     }
+    if translator is not None:
+        manifest["translator"] = {
+            "name": translator.name, "applied_on": cfg.map_on, "source": cfg.translator_path or "fitted",
+            "tensors_sha256": sha256_bytes(files[TRANSLATOR_TENSORS]),
+            "config_sha256": sha256_bytes(files[TRANSLATOR_CONFIG]),
+            "shipped": bool(extra), "bytes": sum(map(len, files.values()))}
     start = time.perf_counter()
-    write_export(cfg.out, manifest, tensors, as_tar=cfg.tar)
+    write_export(cfg.out, manifest, tensors, as_tar=cfg.tar, extra=extra)
     timings["write_s"] = time.perf_counter() - start
 
-    written = sum(e["bytes"] for e in entries)
+    written = sum(e["bytes"] for e in entries) + sum(map(len, extra.values()))
     raw_cloud = sum(raw_fp16_bytes(n, cinfo["num_kv_heads"], cinfo["head_dim"]) for _ in pairs)
-    raw_shipped = sum(raw_fp16_bytes(n, kv.keys.shape[0], kv.keys.shape[2]) for kv in layers)
+    raw_shipped = sum(raw_fp16_bytes(n, kv.keys.shape[0], kv.keys.shape[2]) if kv.keys is not None
+                      else 2 * kv.hidden.numel() for kv in layers)
     report = {
         "out": str(cfg.out), "regime": manifest["regime"], "system_prompt_tokens": n, "layers": rows,
         "raw_fp16_cloud_bytes": raw_cloud, "raw_fp16_shipped_bytes": raw_shipped, "bytes_written": written,
         "ratio_vs_cloud_fp16": raw_cloud / written, "ratio_vs_shipped_fp16": raw_shipped / written,
         "mean_attn_error_prune": sum(r["attn_error_prune"] for r in rows) / len(rows),
-        "mean_attn_error_total": sum(r["attn_error_total"] for r in rows) / len(rows),
+        "mean_attn_error_total": _mean([r["attn_error_total"] for r in rows]),
         "timings": timings, "config": to_dict(cfg),
     }
     if not same:
-        report["mean_r2_k"] = sum(r["r2_k"] for r in rows) / len(rows)
-        report["mean_r2_v"] = sum(r["r2_v"] for r in rows) / len(rows)
+        report["translator"] = manifest["translator"]
+        for key in ("r2_k", "r2_v", "r2_hidden"):
+            if all(key in r for r in rows):
+                report[f"mean_{key}"] = sum(r[key] for r in rows) / len(rows)
     report_path = (Path(cfg.out).with_suffix(".report.json") if cfg.tar else Path(cfg.out) / "report.json")
     write_text_atomic(report_path, json.dumps(report, indent=1))
     return report

@@ -1,4 +1,4 @@
-"""Read one layer of a KV export back into tensors the edge attends with (dequantized, mapped, rotated)."""
+"""Read one layer of a KV export back into tensors the edge attends with (dequantized, translated, rotated)."""
 
 from __future__ import annotations
 
@@ -6,22 +6,25 @@ from dataclasses import dataclass
 
 import torch
 
-from edgekv.capture import apply_rotary, attn_shape, merge_heads, split_heads
-from edgekv.kvmap import RidgeMap
+from edgekv.capture import merge_heads
 from edgekv.kvstore import KVExport, KVStoreError
 from edgekv.pruning import PrunedKeys
 from edgekv.quant import Quantized, dequantize
 
+SPACES = ("edge", "cloud-unrotated", "cloud-hidden")
+
 
 @dataclass
 class DecodedLayer:
-    """One edge layer's system-prompt KV as stored: pruned keys (kept channels + indices) and values."""
+    """One edge layer's system-prompt data as stored: edge-shaped or cloud-space pruned keys + values, or the
+    cloud's input hidden states (space "cloud-hidden") that the edge's translator turns into KV."""
 
     edge_layer: int
+    cloud_layer: int
     space: str
-    keys: PrunedKeys
-    values: torch.Tensor
-    maps: tuple[RidgeMap, RidgeMap] | None
+    keys: PrunedKeys | None = None
+    values: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
 
 
 def _quantized(tensors: dict, prefix: str, params: dict) -> Quantized:
@@ -31,10 +34,20 @@ def _quantized(tensors: dict, prefix: str, params: dict) -> Quantized:
 
 def decode_layer(export: KVExport, edge_layer: int) -> DecodedLayer:
     """Verify, parse and dequantize one layer (float32)."""
-    tensors = export.layer(edge_layer)
-    entry = export.entries[edge_layer]
-    where = f"{export.path}/{entry.get('file')}"
+    return decode_tensors(export.entries.get(edge_layer, {}), export.layer(edge_layer), str(export.path))
+
+
+def decode_tensors(entry: dict, tensors: dict, where: str) -> DecodedLayer:
+    """Parse and dequantize one layer's verified tensors against its manifest entry."""
+    where = f"{where}/{entry.get('file')}"
     try:
+        space = entry["space"]
+        if space not in SPACES:
+            raise ValueError(f"unknown space {space!r}")
+        out = DecodedLayer(int(entry["edge_layer"]), int(entry["cloud_layer"]), space)
+        if space == "cloud-hidden":
+            out.hidden = dequantize(_quantized(tensors, "hidden", entry["hidden"]))
+            return out
         k = entry["key"]
         kept = dequantize(_quantized(tensors, "key", k))
         index = torch.tensor(k["kept_channels"], dtype=torch.long)
@@ -42,28 +55,30 @@ def decode_layer(export: KVExport, edge_layer: int) -> DecodedLayer:
             recent = dequantize(_quantized(tensors, "key_recent", entry["key_recent"]))
         else:
             recent = kept.new_zeros(kept.shape[0], 0, k["head_dim"])
-        values = dequantize(_quantized(tensors, "value", entry["value"]))
-        maps = None
-        if "map" in entry:
-            maps = (RidgeMap.from_tensors(tensors, "map.k", entry["map"]["alpha_k"]),
-                    RidgeMap.from_tensors(tensors, "map.v", entry["map"]["alpha_v"]))
         if index.shape != (kept.shape[0], kept.shape[2]):
             raise KVStoreError(f"{where}: kept channel indices {tuple(index.shape)} do not fit keys "
                                f"{tuple(kept.shape)}")
-        return DecodedLayer(edge_layer, entry["space"], PrunedKeys(kept, index, recent, k["head_dim"]), values, maps)
+        out.keys = PrunedKeys(kept, index, recent, k["head_dim"])
+        out.values = dequantize(_quantized(tensors, "value", entry["value"]))
+        return out
     except KVStoreError:
         raise
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         raise KVStoreError(f"{where}: layer does not match its manifest entry ({type(exc).__name__}: {exc})") from exc
 
 
-def edge_kv(layer: DecodedLayer, edge_model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full-width edge-space (keys, values), each (kv_heads, tokens, head_dim): channels zero-filled, and for
-    exports whose map runs on the edge, mapped from cloud space and rotated with the edge's own rotary."""
-    keys = layer.keys.zero_filled()
-    if layer.maps is None:
-        return keys, layer.values
-    _, kv_heads, _ = attn_shape(edge_model)
-    mapped_k = split_heads(layer.maps[0].apply(merge_heads(keys)), kv_heads)
-    mapped_v = split_heads(layer.maps[1].apply(merge_heads(layer.values)), kv_heads)
-    return apply_rotary(edge_model, mapped_k), mapped_v
+def edge_kv(layer: DecodedLayer, edge_model: torch.nn.Module, translator=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full-width edge-space (keys, values), each (kv_heads, tokens, head_dim), rotated at positions 0..: pruned
+    channels zero-filled; for exports whose translator runs on the edge, translated by the same `layer_kv` code
+    that `edgekv compress` runs on the cloud."""
+    if layer.space == "edge":
+        return layer.keys.zero_filled(), layer.values
+    if translator is None:
+        raise KVStoreError(f"layer {layer.edge_layer} holds cloud-space data ({layer.space}) but no translator "
+                           "was given")
+    if layer.space == "cloud-hidden":
+        features = {"hidden_in": layer.hidden}
+    else:
+        features = {"k_unrot": merge_heads(layer.keys.zero_filled()), "v": merge_heads(layer.values)}
+    with torch.no_grad():
+        return translator.layer_kv(edge_model, layer.edge_layer, features)

@@ -6,7 +6,10 @@ a validation split of texts and the reported R² comes from a separate test spli
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -129,59 +132,95 @@ def kv_from_hidden(model: torch.nn.Module, layer_index: int, hidden: torch.Tenso
     return apply_rotary(model, keys, start), values
 
 
+class Translator:
+    """Base of the registry: `info[edge_layer]` holds the matched `cloud_layer`; subclasses map features."""
+
+    name = "?"
+    features: tuple[str, ...] = ()
+
+    def __init__(self):
+        self.maps: dict = {}
+        self.info: dict[int, dict] = {}
+
+    def layer_kv(self, edge_model, edge_layer: int, features: dict[str, torch.Tensor], start: int = 0) -> KVPair:
+        """Edge-space KV of one layer from the matched cloud layer's features; rotated at positions start.."""
+        raise NotImplementedError
+
+    def translate(self, cloud_acts, edge_model, edge_layers: list[int]) -> dict[int, KVPair]:
+        """Edge-space KV (positions from 0) of each edge layer, from captured cloud activations over the prompt."""
+        out = {}
+        for i in edge_layers:
+            j = self.info[i]["cloud_layer"]
+            out[i] = self.layer_kv(edge_model, i, {f: cloud_acts.layers[f][j] for f in self.features})
+        return out
+
+    def pairs(self) -> list[tuple[int, int]]:
+        """(edge layer, cloud layer) pairs, ascending."""
+        return [(i, int(self.info[i]["cloud_layer"])) for i in sorted(self.info)]
+
+
 @register_translator("ridge")
-class RidgeTranslator:
+class RidgeTranslator(Translator):
     """Per-layer closed-form maps on un-rotated K and on V (the compress baseline)."""
 
     features = ("k_unrot", "v")
-
-    def __init__(self):
-        self.maps: dict[int, tuple[RidgeMap, RidgeMap]] = {}
-        self.info: dict[int, dict] = {}
 
     def fit(self, cloud_cal, edge_cal, pairs: list[tuple[int, int]], edge_model) -> "RidgeTranslator":
         """Fit one K map and one V map per (edge layer, cloud layer) pair."""
         for i, j in pairs:
             mk, ik = fit_ridge(cloud_cal.layers["k_unrot"][j], edge_cal.layers["k_unrot"][i], edge_cal.text_index)
             mv, iv = fit_ridge(cloud_cal.layers["v"][j], edge_cal.layers["v"][i], edge_cal.text_index)
-            self.maps[i], self.info[i] = (mk, mv), {"cloud_layer": j, "r2_k": ik["r2_test"], "r2_v": iv["r2_test"]}
+            self.maps[i] = (mk, mv)
+            self.info[i] = {"cloud_layer": j, "r2_k": ik["r2_test"], "r2_v": iv["r2_test"], "alpha_k": ik["alpha"],
+                            "alpha_v": iv["alpha"]}
         return self
 
-    def translate(self, cloud_acts, edge_model, edge_layers: list[int]) -> dict[int, KVPair]:
-        """Edge-space KV of the prompt the cloud activations cover (positions from 0)."""
+    def layer_kv(self, edge_model, edge_layer: int, features: dict[str, torch.Tensor], start: int = 0) -> KVPair:
+        """Edge-space KV of one layer from the matched cloud layer's features (tokens, d_cloud), rotated at
+        positions start..; the single code path used on the cloud (compress) and on the edge (serve-edge)."""
         _, kv_heads, _ = attn_shape(edge_model)
-        out = {}
-        for i in edge_layers:
-            j = self.info[i]["cloud_layer"]
-            mk, mv = self.maps[i]
-            keys = split_heads(mk.apply(cloud_acts.layers["k_unrot"][j]), kv_heads)
-            out[i] = (apply_rotary(edge_model, keys), split_heads(mv.apply(cloud_acts.layers["v"][j]), kv_heads))
-        return out
+        mk, mv = self.maps[edge_layer]
+        keys = split_heads(mk.apply(features["k_unrot"]), kv_heads)
+        return apply_rotary(edge_model, keys, start), split_heads(mv.apply(features["v"]), kv_heads)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every map as named plain tensors (safetensors)."""
+        return {k: v for i, (mk, mv) in self.maps.items() for k, v in {**mk.tensors(f"{i}.k"),
+                                                                       **mv.tensors(f"{i}.v")}.items()}
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Inverse of `tensors` (the layer pairing comes from `info`)."""
+        self.maps = {i: (RidgeMap.from_tensors(tensors, f"{i}.k", self.info[i].get("alpha_k", 0.0)),
+                         RidgeMap.from_tensors(tensors, f"{i}.v", self.info[i].get("alpha_v", 0.0)))
+                     for i in self.info}
 
 
 @register_translator("hidden")
-class HiddenTranslator:
+class HiddenTranslator(Translator):
     """Map the cloud's input hidden state of the matched layer into the edge's (ridge), then let the edge's own
     pre-attention norm, k_proj, v_proj and rotary make K and V: structurally consistent KV by construction."""
 
     features = ("hidden_in",)
-
-    def __init__(self):
-        self.maps: dict[int, RidgeMap] = {}
-        self.info: dict[int, dict] = {}
 
     def fit(self, cloud_cal, edge_cal, pairs: list[tuple[int, int]], edge_model) -> "HiddenTranslator":
         """Fit one hidden-state map per pair; R² is reported on the K and V it produces for held-out texts."""
         for i, j in pairs:
             m, info = fit_ridge(cloud_cal.layers["hidden_in"][j], edge_cal.layers["hidden_in"][i], edge_cal.text_index)
             self.maps[i] = m
-            self.info[i] = {"cloud_layer": j, "r2_hidden": info["r2_test"]}
+            self.info[i] = {"cloud_layer": j, "r2_hidden": info["r2_test"], "alpha": info["alpha"]}
         return self
 
-    def translate(self, cloud_acts, edge_model, edge_layers: list[int]) -> dict[int, KVPair]:
-        """Edge-space KV of the prompt the cloud activations cover (positions from 0)."""
-        return {i: kv_from_hidden(edge_model, i, self.maps[i].apply(cloud_acts.layers["hidden_in"][self.info[i][
-            "cloud_layer"]])) for i in edge_layers}
+    def layer_kv(self, edge_model, edge_layer: int, features: dict[str, torch.Tensor], start: int = 0) -> KVPair:
+        """Edge-space KV of one layer from the matched cloud layer's input hidden states (tokens, d_cloud)."""
+        return kv_from_hidden(edge_model, edge_layer, self.maps[edge_layer].apply(features["hidden_in"]), start)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every map as named plain tensors (safetensors)."""
+        return {k: v for i, m in self.maps.items() for k, v in m.tensors(str(i)).items()}
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Inverse of `tensors` (the layer pairing comes from `info`)."""
+        self.maps = {i: RidgeMap.from_tensors(tensors, str(i), self.info[i].get("alpha", 0.0)) for i in self.info}
 
 
 @register_translator("trained")
@@ -200,3 +239,76 @@ class TrainedTranslator(HiddenTranslator):
     def parameters(self) -> list[torch.Tensor]:
         """The trainable tensors (every map's weight and bias), in layer order."""
         return [t for i in sorted(self.maps) for t in (self.maps[i].weight, self.maps[i].bias)]
+
+
+# ------------------------------------------------------------------------------------- saving and loading
+# A saved translator is two files: translator.safetensors (its maps) and translator.json (name, layer pairing,
+# fit statistics, the fingerprints of the model pair it was made for, and the sha256 of the tensor file).
+
+TRANSLATOR_TENSORS = "translator.safetensors"
+TRANSLATOR_CONFIG = "translator.json"
+
+
+def translator_files(translator, cloud_fingerprint: str, edge_fingerprint: str) -> dict[str, bytes]:
+    """The two files of a saved translator, as bytes."""
+    from safetensors.torch import save as st_save
+
+    blob = st_save({k: v.detach().contiguous().float() for k, v in translator.tensors().items()})
+    config = {"format": "edgekv-translator", "version": 1, "name": translator.name,
+              "info": {str(i): v for i, v in sorted(translator.info.items())},
+              "cloud_fingerprint": cloud_fingerprint, "edge_fingerprint": edge_fingerprint,
+              "tensors_sha256": hashlib.sha256(blob).hexdigest()}
+    return {TRANSLATOR_TENSORS: blob, TRANSLATOR_CONFIG: json.dumps(config, indent=1).encode()}
+
+
+def translator_from_files(files: dict[str, bytes], where: str, cloud_fingerprint: str | None = None,
+                          edge_fingerprint: str | None = None):
+    """Rebuild a translator from its two files; refuses one made for another model pair, or altered bytes."""
+    from safetensors.torch import load as st_load
+
+    try:
+        config = json.loads(files[TRANSLATOR_CONFIG].decode("utf-8"))
+        blob = files[TRANSLATOR_TENSORS]
+        if config.get("format") != "edgekv-translator":
+            raise ValueError("not an edgekv translator")
+        cls = TRANSLATORS[config["name"]]
+    except KeyError as exc:
+        raise EdgeKVError(f"{where}: translator is missing {exc}") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
+        raise EdgeKVError(f"{where}: not a readable translator ({exc})") from exc
+    for what, want, have in (("cloud", cloud_fingerprint, config.get("cloud_fingerprint")),
+                             ("edge", edge_fingerprint, config.get("edge_fingerprint"))):
+        if want is not None and want != have:
+            raise EdgeKVError(f"{where}: translator made for another {what} model (fingerprint "
+                              f"{str(have)[:16]}…, this one is {want[:16]}…)")
+    if hashlib.sha256(blob).hexdigest() != config.get("tensors_sha256"):
+        raise EdgeKVError(f"{where}: translator tensors do not match their sha256 (corrupted or altered)")
+    translator = cls()
+    translator.info = {int(i): v for i, v in config["info"].items()}
+    try:
+        translator.load_tensors(st_load(blob))
+    except Exception as exc:  # safetensors' own error types, or a missing map
+        raise EdgeKVError(f"{where}: translator tensors do not fit its config ({exc})") from exc
+    return translator
+
+
+def save_translator(translator, path: str | Path, cloud_fingerprint: str, edge_fingerprint: str) -> None:
+    """Write translator.safetensors + translator.json into directory `path` (each file atomically)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    for name, blob in translator_files(translator, cloud_fingerprint, edge_fingerprint).items():
+        tmp = path / f".{name}.tmp"
+        tmp.write_bytes(blob)
+        tmp.replace(path / name)
+
+
+def load_translator(path: str | Path, cloud_fingerprint: str | None = None, edge_fingerprint: str | None = None):
+    """A translator saved with `save_translator` (or a training checkpoint directory)."""
+    path = Path(path)
+    files = {}
+    for name in (TRANSLATOR_TENSORS, TRANSLATOR_CONFIG):
+        try:
+            files[name] = (path / name).read_bytes()
+        except OSError as exc:
+            raise EdgeKVError(f"{path}: no saved translator there ({name}: {exc.strerror or exc})") from exc
+    return translator_from_files(files, str(path), cloud_fingerprint, edge_fingerprint)

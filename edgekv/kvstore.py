@@ -59,8 +59,9 @@ def layer_file(edge_layer: int) -> str:
 
 
 def write_export(out: str | Path, manifest: dict, layers: dict[int, dict[str, torch.Tensor]],
-                 as_tar: bool = False) -> Path:
-    """Write manifest + layer files atomically; fills in each layer's file, bytes and sha256. Returns the path."""
+                 as_tar: bool = False, extra: dict[str, bytes] | None = None) -> Path:
+    """Write manifest + layer files (+ `extra` named files, e.g. a translator) atomically; fills in each file's
+    bytes and sha256. Returns the path."""
     out = Path(out)
     manifest = dict(manifest, format=FORMAT, format_version=FORMAT_VERSION, created_by=f"edgekv {__version__}")
     entries = {e["edge_layer"]: e for e in manifest["layers"]}
@@ -72,6 +73,10 @@ def write_export(out: str | Path, manifest: dict, layers: dict[int, dict[str, to
         entries[i].update(file=layer_file(i), bytes=len(blob), sha256=sha256_bytes(blob),
                           tensors=sorted(tensors))
         blobs[layer_file(i)] = blob
+    for name, blob in sorted((extra or {}).items()):
+        blobs[name] = blob
+    manifest["files"] = {name: {"bytes": len(blob), "sha256": sha256_bytes(blob)}
+                         for name, blob in sorted((extra or {}).items())}
     manifest["manifest_sha256"] = sha256_bytes(_canonical(manifest))
     manifest_bytes = json.dumps(manifest, indent=1, ensure_ascii=False).encode()
     if as_tar:
@@ -98,12 +103,30 @@ def _write_tar(out: Path, manifest_bytes: bytes, blobs: dict[str, bytes]) -> Pat
     return out
 
 
-class _Source:
-    """Reads named files of an export from a directory or a .tar (no extraction to disk)."""
+class FetchError(KVStoreError):
+    """A file of a remote export could not be fetched (unreachable, refused, missing): a reason to fall back."""
 
-    def __init__(self, path: Path):
+
+def is_url(path: str | Path) -> bool:
+    """A URL (http(s)://, s3://, …) rather than a local path."""
+    return "://" in str(path) and not str(path).startswith("file://")
+
+
+class _Source:
+    """Reads named files of an export from a directory, a .tar (no extraction to disk), or a URL (fsspec)."""
+
+    def __init__(self, path: Path | str):
         self.path = path
         self.tar = None
+        self.fs = None
+        if is_url(path):
+            import fsspec
+
+            try:
+                self.fs, self.root = fsspec.core.url_to_fs(str(path))
+            except (ImportError, ValueError) as exc:
+                raise KVStoreError(f"{path}: cannot open this URL ({exc})") from exc
+            return
         if path.is_file():
             try:
                 self.tar = tarfile.open(path, "r:")
@@ -115,6 +138,13 @@ class _Source:
 
     def read(self, name: str) -> bytes:
         where = f"{self.path}/{name}"
+        if self.fs is not None:
+            try:
+                return self.fs.cat_file(f"{self.root.rstrip('/')}/{name}")
+            except FileNotFoundError as exc:
+                raise FetchError(f"{where}: missing") from exc
+            except Exception as exc:  # network stacks raise many types; all mean "not fetched"
+                raise FetchError(f"{where}: cannot fetch ({type(exc).__name__}: {exc})") from exc
         try:
             if self.tar is None:
                 return (self.path / name).read_bytes()
@@ -141,7 +171,7 @@ class KVExport:
     """An opened, manifest-verified export; `layer(i)` verifies and parses one layer file."""
 
     def __init__(self, path: str | Path, expect: Expect | None = None):
-        self.path = Path(path)
+        self.path = str(path).rstrip("/") if is_url(path) else Path(path)
         self._src = _Source(self.path)
         raw = self._src.read(MANIFEST)
         where = f"{self.path}/{MANIFEST}"
@@ -159,6 +189,7 @@ class KVExport:
         if manifest.get("manifest_sha256") != sha256_bytes(_canonical(manifest)):
             raise KVStoreError(f"{where}: manifest checksum mismatch (edited or corrupted)")
         self.manifest = manifest
+        self.manifest_bytes = raw
         self._check(expect or Expect(), where)
         try:
             self.entries = {int(e["edge_layer"]): e for e in manifest["layers"]}
@@ -182,6 +213,10 @@ class KVExport:
 
     def layer(self, edge_layer: int) -> dict[str, torch.Tensor]:
         """The verified tensors of one edge layer."""
+        return self.parse_layer(edge_layer, self.layer_bytes(edge_layer))
+
+    def layer_bytes(self, edge_layer: int) -> bytes:
+        """The verified bytes of one edge layer's file (size and sha256 as in the manifest)."""
         entry = self.entries.get(edge_layer)
         if entry is None:
             raise KVStoreError(f"{self.path}: no layer {edge_layer} in the manifest")
@@ -192,6 +227,12 @@ class KVExport:
             raise KVStoreError(f"{where}: {len(blob)} bytes, manifest says {entry.get('bytes')} (truncated?)")
         if sha256_bytes(blob) != entry.get("sha256"):
             raise KVStoreError(f"{where}: sha256 mismatch (corrupted or tampered)")
+        return blob
+
+    def parse_layer(self, edge_layer: int, blob: bytes) -> dict[str, torch.Tensor]:
+        """Tensors of a layer file already verified by `layer_bytes`."""
+        entry = self.entries[edge_layer]
+        where = f"{self.path}/{entry.get('file', '?')}"
         try:
             tensors = st_load(blob)
         except Exception as exc:  # safetensors raises its own error types; the checksum passed, so the writer erred
@@ -200,7 +241,40 @@ class KVExport:
             raise KVStoreError(f"{where}: tensors {sorted(tensors)} differ from the manifest's")
         return tensors
 
+    def file(self, name: str) -> bytes:
+        """The verified bytes of a named extra file (e.g. translator.safetensors)."""
+        entry = self.manifest.get("files", {}).get(name)
+        if entry is None:
+            raise KVStoreError(f"{self.path}: no file {name} in the manifest")
+        blob = self._src.read(name)
+        if len(blob) != entry.get("bytes") or sha256_bytes(blob) != entry.get("sha256"):
+            raise KVStoreError(f"{self.path}/{name}: size or sha256 differs from the manifest (truncated or altered)")
+        return blob
+
+    def translator(self):
+        """The translator the edge applies (map_location "edge"), checked against this export's model pair; None
+        when the KV is already edge-shaped."""
+        from edgekv.kvmap import TRANSLATOR_CONFIG, TRANSLATOR_TENSORS, translator_from_files
+
+        info = self.manifest.get("translator")
+        if not info or info.get("applied_on") != "edge":
+            return None
+        files = {n: self.file(n) for n in (TRANSLATOR_TENSORS, TRANSLATOR_CONFIG)}
+        return translator_from_files(files, f"{self.path}/{TRANSLATOR_CONFIG}",
+                                     self.manifest.get("cloud", {}).get("fingerprint"),
+                                     self.manifest.get("edge", {}).get("fingerprint"))
+
     def verify_all(self) -> None:
         """Verify every layer file (reads them all)."""
         for i in self.layer_indices:
             self.layer(i)
+        for name in self.manifest.get("files", {}):
+            self.file(name)
+
+
+def write_copy(export: KVExport, out: str | Path, blobs: dict[str, bytes]) -> None:
+    """Write a verified local copy of an export (its manifest bytes and the given verified files), atomically."""
+    with staged_dir(out) as staging:
+        for name, blob in blobs.items():
+            (staging / name).write_bytes(blob)
+        (staging / MANIFEST).write_bytes(export.manifest_bytes)

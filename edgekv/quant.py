@@ -11,9 +11,9 @@ import torch
 
 from edgekv import EdgeKVError
 
-SCHEMES = ("fp16", "bf16", "int8", "int4")
+SCHEMES = ("fp32", "fp16", "bf16", "int8", "int4")
 QMAX = {"int8": 127, "int4": 7}
-PASSTHROUGH = {"fp16": torch.float16, "bf16": torch.bfloat16}
+PASSTHROUGH = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # fp32: lossless
 
 
 @dataclass

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from edgekv.capture import capture
 from edgekv.fidelity import HeldOutText
-from edgekv.kvmap import TrainedTranslator, kv_from_hidden
+from edgekv.kvmap import TrainedTranslator, kv_from_hidden, load_translator, save_translator
 from edgekv.splice import splice_layers
 
 
@@ -69,7 +69,8 @@ def kl_loss(edge, translator, ex: TrainExample, m: int, sink: int) -> torch.Tens
     return (ex.target_logp.exp() * (ex.target_logp - student)).sum(-1).mean()
 
 
-def _save(path: Path, translator: TrainedTranslator, opt: torch.optim.Optimizer, step: int, log: list) -> None:
+def _save(path: Path, translator: TrainedTranslator, opt: torch.optim.Optimizer, step: int, log: list,
+          pair: tuple[str | None, str | None]) -> None:
     tensors = {f"map.{i}.{k}": getattr(translator.maps[i], k).detach().contiguous()
                for i in translator.maps for k in ("weight", "bias")}
     for n, p in enumerate(translator.parameters()):
@@ -80,6 +81,7 @@ def _save(path: Path, translator: TrainedTranslator, opt: torch.optim.Optimizer,
     tmp = path / "state.safetensors.tmp"
     save_file(tensors, str(tmp))
     tmp.replace(path / "state.safetensors")
+    save_translator(translator, path, *pair)  # the usable result: translator.safetensors + translator.json
     info = {str(i): v for i, v in translator.info.items()}
     (path / "progress.json.tmp").write_text(json.dumps({"step": step, "log": log, "info": info}))
     (path / "progress.json.tmp").replace(path / "progress.json")
@@ -109,9 +111,10 @@ def _example_index(step: int, n: int, seed: int) -> int:
 
 def train(edge, translator: TrainedTranslator, examples: list[TrainExample], m: int, steps: int, lr: float = 1e-4,
           sink: int = 1, seed: int = 0, checkpoint: str | Path | None = None, every: int = 50,
-          on_step=None, stop=None) -> list[dict]:
+          on_step=None, stop=None, pair: tuple[str | None, str | None] = (None, None)) -> list[dict]:
     """Adam on the translator's maps for `steps` steps, one text per step in a seeded order; resumes from
-    `checkpoint` when it holds a saved state; `stop(step)` may end it early (a time budget). Returns the loss log."""
+    `checkpoint` when it holds a saved state; `stop(step)` may end it early (a time budget). `pair` = (cloud,
+    edge) fingerprints recorded in the saved translator. Returns the loss log."""
     for p in edge.model.parameters():
         p.requires_grad_(False)
     params = translator.parameters()
@@ -131,7 +134,7 @@ def train(edge, translator: TrainedTranslator, examples: list[TrainExample], m: 
             on_step(step + 1, log[-1]["kl"])
         done = step + 1 == steps or (stop is not None and stop(step + 1))
         if checkpoint and ((step + 1) % every == 0 or done):
-            _save(Path(checkpoint), translator, opt, step + 1, log)
+            _save(Path(checkpoint), translator, opt, step + 1, log, pair)
         if done:
             break
     for p in params:
@@ -139,14 +142,7 @@ def train(edge, translator: TrainedTranslator, examples: list[TrainExample], m: 
     return log
 
 
-def load_trained(path: str | Path) -> TrainedTranslator:
-    """A trained translator from a training checkpoint (maps + layer pairing)."""
-    from edgekv.kvmap import RidgeMap
-
-    path = Path(path)
-    tensors = load_file(str(path / "state.safetensors"))
-    info = {int(i): v for i, v in json.loads((path / "progress.json").read_text())["info"].items()}
-    out = TrainedTranslator()
-    out.info = info
-    out.maps = {i: RidgeMap(tensors[f"map.{i}.weight"], tensors[f"map.{i}.bias"], 0.0) for i in info}
-    return out
+def load_trained(path: str | Path, cloud_fingerprint: str | None = None,
+                 edge_fingerprint: str | None = None) -> TrainedTranslator:
+    """The trained translator of a training checkpoint (its translator.safetensors + translator.json)."""
+    return load_translator(path, cloud_fingerprint, edge_fingerprint)

@@ -36,12 +36,6 @@ def test_help_lists_the_four_commands():
         assert name in out.stdout
 
 
-@pytest.mark.parametrize("name", ["serve-edge", "eval"])
-def test_unbuilt_commands_exit_nonzero(name):
-    result = _run(name)
-    _assert_one_line_error(result, "not yet available")
-
-
 def test_align_writes_everything(tiny_models, calib_file, tmp_path):
     out = tmp_path / "align"
     result = _run("align", "--cloud", tiny_models["cloud"], "--edge", tiny_models["edge"], "--out", out,

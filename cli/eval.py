@@ -1,0 +1,38 @@
+"""`edgekv eval`: strategies × datasets → results.jsonl, summary.csv, report.md (Table II), plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from cli.common import console, one_line_errors, parse_list, progress_bar
+from edgekv.config import load_config
+from edgekv.evaluate import EvalConfig, run_eval
+from edgekv.report import table_ii
+
+
+@one_line_errors
+def eval_(
+    config: Optional[Path] = typer.Option(None, help="YAML config, e.g. configs/eval/default.yaml."),
+    dataset: Optional[str] = typer.Option(None, help="xsum, mmlu, sharegpt (comma-separated) [all three]."),
+    strategies: Optional[str] = typer.Option(None, help="cloud-only, edge-only, edgeprompt, ce-lslm[:mapping]."),
+    limit: Optional[int] = typer.Option(None, help="Requests per dataset [20]."),
+    out: Optional[Path] = typer.Option(None, help="Report directory (resumes from its results.jsonl)."),
+    max_new_tokens: Optional[int] = typer.Option(None, help="Tokens generated per answer [32]."),
+    bandwidth_mbps: Optional[float] = typer.Option(None, help="Emulated cloud→edge link [100]."),
+    latency_ms: Optional[float] = typer.Option(None, help="Link latency per file [20]."),
+    translator_path: Optional[Path] = typer.Option(None, help="A saved translator for ce-lslm [fit one]."),
+    seed: Optional[int] = typer.Option(None, help="Sampling seed of the requests [0]."),
+) -> None:
+    """Evaluate strategies on XSum / MMLU / ShareGPT: latency, memory, bytes, upload ratio and quality."""
+    overrides = dict(datasets=parse_list(dataset), strategies=parse_list(strategies), limit=limit,
+                     out=str(out) if out else None, max_new_tokens=max_new_tokens, bandwidth_mbps=bandwidth_mbps,
+                     latency_ms=latency_ms, translator_path=str(translator_path) if translator_path else None,
+                     seed=seed)
+    cfg = load_config(EvalConfig, "eval", config, overrides)
+    with progress_bar() as progress:
+        result = run_eval(cfg, progress)
+    console.print(table_ii(result["summary"]))
+    console.print(f"{result['rows']} rows → {cfg.out}/results.jsonl, summary.csv, report.md, ttft.png")

@@ -1,0 +1,66 @@
+"""`edgekv serve-edge`: answer user prompts on the edge over a system-prompt KV export (HTTP or batch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from cli.common import console, one_line_errors, progress_bar
+from edgekv.config import load_config
+from edgekv.serve import ServeConfig, open_session, run_batch
+from edgekv.server import EdgeServer, serve
+
+
+@one_line_errors
+def serve_edge(
+    edge: Optional[str] = typer.Option(None, help="Edge model: alias, hub id, directory or .gguf [default-edge]."),
+    kv: Optional[str] = typer.Option(None, help="KV export: directory, .tar, or URL (http(s)://, s3://, …)."),
+    system_prompt: Optional[str] = typer.Option(None, help="TEXT or @FILE; used for local prefill if no export."),
+    host: Optional[str] = typer.Option(None, help="Bind address [127.0.0.1]."),
+    port: Optional[int] = typer.Option(None, help="Port [8000]."),
+    batch: Optional[Path] = typer.Option(None, help="Batch mode: JSONL of {\"prompt\", …} requests."),
+    output: Optional[Path] = typer.Option(None, help="Batch mode: JSONL results (written atomically)."),
+    bandwidth_mbps: Optional[float] = typer.Option(None, help="Link emulator: bandwidth in Mbit/s [unthrottled]."),
+    latency_ms: Optional[float] = typer.Option(None, help="Link emulator: latency per file in ms [0]."),
+    max_new_tokens: Optional[int] = typer.Option(None, help="Default max tokens per answer [64]."),
+    max_tokens_limit: Optional[int] = typer.Option(None, help="Largest max_tokens a request may ask [512]."),
+    max_body_bytes: Optional[int] = typer.Option(None, help="Largest request body (larger → 413) [65536]."),
+    temperature: Optional[float] = typer.Option(None, help="Default temperature (0 = greedy) [0]."),
+    top_p: Optional[float] = typer.Option(None, help="Default nucleus top-p [1]."),
+    seed: Optional[int] = typer.Option(None, help="Default sampling seed [0]."),
+    local_sink_tokens: Optional[int] = typer.Option(None, help="Override the export's local sink tokens."),
+    cache_dir: Optional[Path] = typer.Option(None, help="Verified copies of remote exports [~/.cache/edgekv]."),
+    dtype: Optional[str] = typer.Option(None, help="bfloat16, float16 or float32 [bfloat16]."),
+    config: Optional[Path] = typer.Option(None, help="YAML config (flags override it)."),
+) -> None:
+    """Serve the edge model over a system-prompt KV export: HTTP (OpenAI-style, SSE) or a JSONL batch."""
+    overrides = dict(edge=edge, kv=kv, system_prompt=system_prompt, host=host, port=port,
+                     batch=str(batch) if batch else None, output=str(output) if output else None,
+                     bandwidth_mbps=bandwidth_mbps, latency_ms=latency_ms, max_new_tokens=max_new_tokens,
+                     max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes, temperature=temperature,
+                     top_p=top_p, seed=seed, local_sink_tokens=local_sink_tokens,
+                     cache_dir=str(cache_dir) if cache_dir else None, dtype=dtype)
+    cfg = load_config(ServeConfig, "serve_edge", config, overrides)
+    session = open_session(cfg)
+    info = session.describe()
+    console.print(f"edge {session.edge.spec}: system prompt {info['system_prompt_tokens']} tokens, layers "
+                  f"< {info['start_layer']} local, the rest from {info['source']}")
+    if cfg.batch:
+        with progress_bar() as progress:
+            rows = run_batch(cfg, session, progress)
+        ttft = sorted(r["ttft_s"] for r in rows)
+        console.print(f"{len(rows)} answers → {cfg.output}; median TTFT {ttft[len(ttft) // 2] * 1e3:.1f} ms; "
+                      f"{session.describe()['bytes_loaded']:,} bytes loaded; layer sources "
+                      f"{', '.join(session.describe()['layer_sources'])}")
+        return
+    try:
+        server = EdgeServer(session, cfg.host, cfg.port, cfg.max_body_bytes, cfg.max_tokens_limit)
+    except OSError as exc:
+        from edgekv import EdgeKVError
+
+        raise EdgeKVError(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}") from exc
+    console.print(f"listening on http://{cfg.host}:{server.server_address[1]} (POST /v1/completions, GET /healthz, "
+                  "GET /metrics); Ctrl-C stops")
+    serve(server)

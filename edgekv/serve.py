@@ -1,0 +1,122 @@
+"""`edgekv serve-edge`: its config, opening the session, and batch mode (JSONL in, JSONL out)."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgekv import EdgeKVError
+from edgekv.atomic import write_text_atomic
+from edgekv.compress import read_system_prompt
+from edgekv.config import command_config
+from edgekv.models import DTYPES, load_model
+from edgekv.pipeline import Link
+from edgekv.serving import EdgeSession, SamplingParams
+from edgekv.steps import Steps
+
+
+@command_config("serve_edge")
+@dataclass
+class ServeConfig:
+    """Everything `edgekv serve-edge` needs."""
+
+    edge: str = "default-edge"
+    kv: str | None = None  # export directory, .tar, or URL
+    system_prompt: str | None = None  # TEXT or @FILE: required only to prefill locally when no export is readable
+    dtype: str = "bfloat16"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    batch: str | None = None
+    output: str | None = None
+    bandwidth_mbps: float | None = None
+    latency_ms: float = 0.0
+    max_new_tokens: int = 64
+    max_tokens_limit: int = 512
+    max_body_bytes: int = 65536
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    local_sink_tokens: int | None = None  # None: as the export says
+    cache_dir: str | None = None  # where verified copies of remote exports are kept
+
+    def validate(self) -> None:
+        """One-line errors for out-of-range values, before any model is loaded."""
+        if self.kv is None and self.system_prompt is None:
+            raise EdgeKVError("--kv is required (an export directory, .tar or URL)")
+        if self.dtype not in DTYPES:
+            raise EdgeKVError(f"unknown dtype '{self.dtype}' (choose from {', '.join(DTYPES)})")
+        if not 0 < self.port < 65536:
+            raise EdgeKVError(f"--port must be in 1..65535, got {self.port}")
+        if (self.batch is None) != (self.output is None):
+            raise EdgeKVError("--batch and --output go together")
+        if self.batch is not None and not Path(self.batch).is_file():
+            raise EdgeKVError(f"batch file not found: {self.batch}")
+        if self.output is not None and not Path(self.output).resolve().parent.is_dir():
+            raise EdgeKVError(f"cannot write {self.output}: its directory does not exist")
+        if self.max_body_bytes < 64 or self.max_tokens_limit < 1:
+            raise EdgeKVError("--max-body-bytes must be ≥ 64 and --max-tokens-limit ≥ 1")
+        if self.local_sink_tokens is not None and self.local_sink_tokens < 0:
+            raise EdgeKVError(f"--local-sink-tokens must be ≥ 0, got {self.local_sink_tokens}")
+        self.link()
+        self.sampling().validate(self.max_tokens_limit)
+
+    def link(self) -> Link:
+        """The emulated link."""
+        return Link(self.bandwidth_mbps, self.latency_ms)
+
+    def sampling(self) -> SamplingParams:
+        """Default sampling parameters (requests may override them)."""
+        return SamplingParams(self.max_new_tokens, self.temperature, self.top_p, self.seed)
+
+
+def open_session(cfg: ServeConfig) -> EdgeSession:
+    """Load the edge model and open the KV source (pipelined loading starts at once)."""
+    cfg.validate()
+    edge = load_model(cfg.edge, cfg.dtype)
+    system = read_system_prompt(cfg.system_prompt) if cfg.system_prompt else None
+    return EdgeSession(edge, cfg.kv, system, cfg.link(), cfg.cache_dir, cfg.local_sink_tokens)
+
+
+def read_batch(path: str | Path, cfg: ServeConfig) -> list[tuple[str, str, SamplingParams]]:
+    """(id, prompt, params) per JSONL line; a bad line is a one-line error naming it."""
+    rows = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            data = json.loads(line)
+            if not isinstance(data, dict) or not isinstance(data.get("prompt"), str) or not data["prompt"]:
+                raise ValueError("needs a non-empty 'prompt' string")
+            params = SamplingParams(int(data.get("max_tokens", cfg.max_new_tokens)),
+                                    float(data.get("temperature", cfg.temperature)),
+                                    float(data.get("top_p", cfg.top_p)), int(data.get("seed", cfg.seed)))
+            params.validate(cfg.max_tokens_limit)
+        except (json.JSONDecodeError, ValueError, TypeError, EdgeKVError) as exc:
+            raise EdgeKVError(f"{path}:{n}: {exc}") from exc
+        rows.append((str(data.get("id", n)), data["prompt"], params))
+    if not rows:
+        raise EdgeKVError(f"{path}: no requests")
+    return rows
+
+
+def run_batch(cfg: ServeConfig, session: EdgeSession, progress=None) -> list[dict]:
+    """Answer every line of cfg.batch; write cfg.output atomically (one JSON object per line)."""
+    rows = read_batch(cfg.batch, cfg)
+    advance = Steps(progress).task("requests", len(rows))
+    out = []
+    for request_id, prompt, params in rows:
+        start = time.perf_counter()
+        done = session.complete(prompt, params)
+        kv = session.describe()
+        out.append({"id": request_id, "text": done.text, "finish_reason": done.finish_reason,
+                    "prompt_tokens": done.prompt_tokens, "completion_tokens": len(done.token_ids),
+                    "ttft_s": done.ttft_s, "total_s": time.perf_counter() - start,
+                    "layer_wait_s": done.layer_wait_s, "bytes_loaded": kv["bytes_loaded"],
+                    "upload_bytes_user": 0,  # the user prompt is tokenized and answered here; nothing is sent
+                    "kv_source": kv["source"], "layer_sources": kv["layer_sources"],
+                    "timings": {"shallow_prefill_s": kv["shallow_prefill_s"], "layers": kv["layers"]}})
+        advance()
+    write_text_atomic(cfg.output, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out))
+    return out

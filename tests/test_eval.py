@@ -1,0 +1,145 @@
+"""`edgekv eval` on tiny models: every strategy × dataset fixture, resumption, metrics, bad input."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from edgekv import EdgeKVError
+from edgekv.align import AlignConfig, run_align
+from edgekv.datasets import load_requests
+from edgekv.evaluate import EvalConfig, read_results, run_eval
+from edgekv.metrics import accuracy, lcs_length, rouge_l, upload_ratio
+from tests.conftest import byte_tokenizer
+
+runner = CliRunner()
+ARTICLE = ("The council approved a new cycle lane along the river on Tuesday after a long public consultation. "
+           "Residents said the lane would make the school run safer, while shop owners worried about parking. ")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    xsum = root / "xsum.jsonl"
+    xsum.write_text("".join(json.dumps({"id": str(i), "document": ARTICLE * (1 + i % 2) + f"Item {i}.",
+                                        "summary": f"A cycle lane was approved, item {i}."}) + "\n" for i in range(4)))
+    mmlu = root / "mmlu"
+    mmlu.mkdir()
+    rows = lambda op, n: [{"subject": "arithmetic", "question": f"What is {k} {op} {k}?",  # noqa: E731
+                           "choices": [str(2 * k), str(k), str(k + 1), "0"], "answer": 0} for k in range(n)]
+    (mmlu / "mmlu_dev.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows("plus", 3)))
+    (mmlu / "mmlu_test_sample.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows("+", 4)))
+    share = root / "sharegpt.json"
+    share.write_text(json.dumps([{"id": f"c{i}", "conversations": [
+        {"from": "human", "value": "Tell me about caches in computer systems, please, in some detail."},
+        {"from": "gpt", "value": "A cache keeps recently used data close to where it is needed."},
+        {"from": "human", "value": f"And what is a KV cache, number {i}?"},
+        {"from": "gpt", "value": "It stores attention keys and values of earlier tokens."}]} for i in range(3)]))
+    return {"xsum": str(xsum), "mmlu": str(mmlu), "sharegpt": str(share)}
+
+
+@pytest.fixture(scope="module")
+def align_dir(tiny_models, tmp_path_factory):
+    calib = tmp_path_factory.mktemp("calib") / "calib.jsonl"
+    calib.write_text("".join(json.dumps({"text": ARTICLE + f" number {i}"}) + "\n" for i in range(6)))
+    out = tmp_path_factory.mktemp("align") / "align"
+    run_align(AlignConfig(out=str(out), cloud=tiny_models["cloud"], edge=tiny_models["edge"], dtype="float32",
+                          texts=str(calib), max_tokens=40, start_layer=1, outlier_ratio=None))
+    return out, calib
+
+
+def _cfg(tiny_models, data, align_dir, out, **kw):
+    align, calib = align_dir
+    values = dict(out=str(out), cloud=tiny_models["cloud"], edge=tiny_models["edge"], dtype="float32", limit=2,
+                  max_new_tokens=4, xsum_source=data["xsum"], mmlu_source=data["mmlu"],
+                  sharegpt_source=data["sharegpt"], sharegpt_offset=0, align_dir=str(align), align_config=None,
+                  calib=str(calib), calib_tokens=40, max_system_tokens=300, min_system_tokens=8, mmlu_subjects=1,
+                  bandwidth_mbps=50.0, latency_ms=1.0)
+    values.update(kw)
+    return EvalConfig(**values)
+
+
+@pytest.fixture(scope="module")
+def evaluated(tiny_models, data, align_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval") / "run"
+    result = run_eval(_cfg(tiny_models, data, align_dir, out))
+    return out, result
+
+
+def test_every_strategy_on_every_dataset(evaluated):
+    out, result = evaluated
+    rows = read_results(out / "results.jsonl")
+    assert len(rows) == 3 * 2 * 4 == result["rows"]
+    by = {(r["dataset"], r["strategy"], r["id"]): r for r in rows}
+    for (dataset, strategy, rid), r in by.items():
+        assert r["ttft_s"] > 0 and r["total_s"] >= r["ttft_s"] and 0 <= r["bertscore_f1"] <= 1
+        assert r["upload_ratio"] == (1.0 if strategy == "cloud-only" else 0.0)
+        assert (r["bytes_cloud_to_edge"] > 0) == (strategy != "edge-only") or strategy == "cloud-only"
+        if strategy in ("edgeprompt", "ce-lslm"):
+            assert r["layer_sources"] == ["export"] and r["cloud_s"] > 0
+        if dataset == "mmlu":
+            assert r["correct"] in (0, 1) and r["choice"] in range(4)
+        if strategy == "edgeprompt":  # exact split: the same tokens as the edge's own full prompt
+            same = by[(dataset, "edge-only", rid)]
+            assert r["answer"] == same["answer"] and r["ref_nll"] == pytest.approx(same["ref_nll"], abs=1e-4)
+    for name in ("summary.csv", "report.md", "ttft.png", "config.json"):
+        assert (out / name).exists()
+    report = (out / "report.md").read_text()
+    assert "| xsum | ce-lslm |" in report and "MiniLM" in report
+
+
+def test_resumption_runs_only_what_is_missing(evaluated, tiny_models, data, align_dir):
+    out, _ = evaluated
+    path = out / "results.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])  # torn last line
+    result = run_eval(_cfg(tiny_models, data, align_dir, out))
+    again = path.read_text().splitlines()
+    assert result["rows"] == len(lines) == len(again)
+    assert again[:-1] == lines[:-1] and json.loads(again[-1])["id"] == json.loads(lines[-1])["id"]
+
+
+def test_metrics_by_hand():
+    assert lcs_length("a b c d".split(), "a c d e".split()) == 3
+    # candidate "the cat sat", reference "the cat was here": LCS 2, P 2/3, R 2/4 → F 4/7
+    assert rouge_l("The cat sat", "the cat was here") == pytest.approx(4 / 7)
+    assert rouge_l("", "x") == 0.0
+    assert accuracy([0, 1, 2, 3], [0, 1, 0, 0]) == 0.5
+    assert upload_ratio("my secret", ["system only"]) == 0.0
+    assert upload_ratio("my secret", ["system + my secret"]) == 1.0
+
+
+def test_requests_are_seeded_and_filtered(data):
+    tok = byte_tokenizer()
+    a = load_requests("xsum", tok, 3, seed=1, source=data["xsum"], min_system_tokens=8)
+    b = load_requests("xsum", tok, 3, seed=1, source=data["xsum"], min_system_tokens=8)
+    assert [r.id for r in a] == [r.id for r in b]
+    short = load_requests("xsum", tok, 3, seed=1, source=data["xsum"], min_system_tokens=8, max_system_tokens=50)
+    assert all(len(tok(r.system)["input_ids"]) <= 50 for r in short)
+    with pytest.raises(EdgeKVError, match="no rows left after filtering"):
+        load_requests("xsum", tok, 3, source=data["xsum"], min_system_tokens=10_000)
+    with pytest.raises(EdgeKVError, match="dataset file not found"):
+        load_requests("xsum", tok, 3, source="missing/xsum.jsonl")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dataset", "squad"], "unknown dataset 'squad'"),
+    (["--strategies", "edge-only,magic"], "unknown strategy 'magic'"),
+    (["--limit", "0"], "--limit"),
+])
+def test_cli_bad_input(args, message, tmp_path):
+    result = runner.invoke(app, ["eval", "--out", str(tmp_path / "r"), *args])
+    assert result.exit_code == 1 and message in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_cli_config_typo_and_empty_dataset(tmp_path, tiny_models, data, align_dir):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("eval:\n  limt: 3\n")
+    result = runner.invoke(app, ["eval", "--config", str(cfg)])
+    assert result.exit_code == 1 and "did you mean 'limit'" in result.output
+    cfg.write_text(f"eval:\n  cloud: {tiny_models['cloud']}\n  edge: {tiny_models['edge']}\n  dtype: float32\n"
+                   f"  xsum_source: {data['xsum']}\n  min_system_tokens: 100000\n")
+    result = runner.invoke(app, ["eval", "--config", str(cfg), "--dataset", "xsum", "--out", str(tmp_path / "r")])
+    assert result.exit_code == 1 and "no rows left after filtering" in result.output, result.output
