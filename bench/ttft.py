@@ -59,9 +59,19 @@ def layer_times(session: EdgeSession, user: torch.Tensor) -> tuple[list[float], 
     layers = decoder_layers(session.model)
     marks: dict[int, list[float]] = {}
     handles = []
+    def before(i):
+        def hook(module, args):  # returns None: a pre-hook's return value would replace the layer's inputs
+            marks[i] = [time.perf_counter()]
+        return hook
+
+    def after(i):
+        def hook(module, args, output):
+            marks[i].append(time.perf_counter())
+        return hook
+
     for i, layer in enumerate(layers):
-        handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: marks.setdefault(i, [time.perf_counter()])))
-        handles.append(layer.register_forward_hook(lambda m, a, o, i=i: marks[i].append(time.perf_counter())))
+        handles.append(layer.register_forward_pre_hook(before(i)))
+        handles.append(layer.register_forward_hook(after(i)))
     start = time.perf_counter()
     session.complete(user, SamplingParams(max_new_tokens=1))
     total = time.perf_counter() - start
@@ -170,8 +180,9 @@ def main() -> None:
     for rep in range(args.reps):
         start = time.perf_counter()
         session = EdgeSession(edge, str(same_kv), link=link, cache_dir=work / "cache")
+        built = time.perf_counter() - start
         done = session.complete(users[rep % 3], SamplingParams(max_new_tokens=1))
-        ttft = time.perf_counter() - start
+        ttft = built + done.ttft_s  # to the first token's logits; not the bookkeeping after it
         session.wait_loaded()
         transfer = [link.seconds(e.bytes) + e.decode_s for e in session.loader.events]
         model_ = predict_ttft(session.timings["shallow_prefill_s"], per_layer, transfer, session.start_layer, head)

@@ -72,6 +72,10 @@ class EvalConfig:
     quant: str = "int8"
     local_sink_tokens: int = 1
     bertscore: str = "minilm"
+    load_rates: list[float] = field(default_factory=list)  # requests/s for Poisson load runs; [] skips them
+    load_seconds: float = 20.0
+    load_dataset: str = "mmlu"  # its first request's system prompt, every request's user prompt
+    load_max_tokens: int = 16
 
     def validate(self) -> None:
         """One-line errors before any model is loaded."""
@@ -90,6 +94,10 @@ class EvalConfig:
         if self.dtype not in DTYPES:
             raise EdgeKVError(f"unknown dtype '{self.dtype}' (choose from {', '.join(DTYPES)})")
         Link(self.bandwidth_mbps, self.latency_ms)
+        if any(r <= 0 for r in self.load_rates) or self.load_seconds <= 0:
+            raise EdgeKVError("load_rates and load_seconds must be > 0")
+        if self.load_rates and self.load_dataset not in self.datasets:
+            raise EdgeKVError(f"load_dataset '{self.load_dataset}' is not among the datasets evaluated")
         if self.translator == "trained" and not self.translator_path:
             raise EdgeKVError("translator 'trained' needs translator_path (a checkpoint of bench.train_translator)")
 
@@ -304,5 +312,32 @@ def run_eval(cfg: EvalConfig, progress=None, models=None) -> dict:
             rows.append(row)
             advance()
     rows = [r for r in rows if r["dataset"] in cfg.datasets and r["strategy"] in cfg.strategies]
+    load = load_curves(runner, requests[cfg.load_dataset], steps) if cfg.load_rates else []
     scorer = runner.scorer.name if runner.scorer else None
-    return write_report(out, rows, to_dict(cfg), scorer, {"cloud": runner.cloud.spec, "edge": runner.edge.spec})
+    return write_report(out, rows, to_dict(cfg), scorer, {"cloud": runner.cloud.spec, "edge": runner.edge.spec},
+                        load)
+
+
+def load_curves(runner: Runner, requests: list[Request], steps: Steps) -> list[dict]:
+    """Poisson load runs per strategy and rate (see loadrun.py)."""
+    from edgekv.loadrun import poisson_run, summarize_load
+
+    cfg = runner.cfg
+    advance = steps.task("load runs", len(cfg.strategies) * len(cfg.load_rates))
+    system = requests[0].system
+    out = []
+    for strategy in cfg.strategies:
+        base = strategy.partition(":")[0]
+        if base in ("edgeprompt", "ce-lslm"):
+            export, _ = runner.export(strategy, system)
+            session = EdgeSession(runner.edge, str(export), cache_dir=runner.out / "work" / "kvcache")
+            prompts = [r.user for r in requests]
+        else:
+            session = EdgeSession(runner.cloud if base == "cloud-only" else runner.edge, None, system_prompt="")
+            prompts = [system + r.user for r in requests]
+        session.wait_loaded()
+        for rate in cfg.load_rates:
+            rows = poisson_run(session, prompts, rate, cfg.load_seconds, cfg.load_max_tokens, cfg.seed)
+            out.append(summarize_load(strategy, rate, rows))
+            advance()
+    return out

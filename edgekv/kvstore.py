@@ -42,10 +42,20 @@ def token_ids_sha256(ids: list[int]) -> str:
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """sha256 of the sorted vocabulary (token → id) plus the special tokens."""
-    vocab = sorted(tokenizer.get_vocab().items())
+    """sha256 of the sorted vocabulary (token → id) plus the special tokens (computed once per tokenizer object:
+    hashing a 150k-token vocabulary takes half a second, too long to pay per request)."""
+    cached = getattr(tokenizer, "_edgekv_fingerprint", None)
+    if cached is not None and cached[0] == len(tokenizer):  # len() is cheap; get_vocab() builds a dict
+        return cached[1]
+    vocab = tokenizer.get_vocab()
     special = sorted(map(str, getattr(tokenizer, "all_special_tokens", [])))
-    return sha256_bytes(json.dumps([vocab, special], ensure_ascii=False, separators=(",", ":")).encode())
+    digest = sha256_bytes(json.dumps([sorted(vocab.items()), special], ensure_ascii=False,
+                                     separators=(",", ":")).encode())
+    try:
+        tokenizer._edgekv_fingerprint = (len(tokenizer), digest)
+    except AttributeError:  # a tokenizer that refuses new attributes: no caching
+        pass
+    return digest
 
 
 def _canonical(manifest: dict) -> bytes:

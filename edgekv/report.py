@@ -91,8 +91,44 @@ def plot_latency(summary: list[dict], rows: list[dict], path: Path) -> None:
     tmp.replace(path)
 
 
-def write_report(out: Path, rows: list[dict], config: dict, scorer: str | None, models: dict) -> dict:
-    """summary.csv, report.md, ttft.png and config.json (each written atomically); returns the summary."""
+def plot_load(load: list[dict], path: Path) -> None:
+    """Average and normalized latency vs request rate, one line per strategy (the paper's Fig. 7)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    for strategy in dict.fromkeys(r["strategy"] for r in load):
+        pts = [r for r in load if r["strategy"] == strategy and r["latency_mean_s"] is not None]
+        axes[0].plot([r["rate"] for r in pts], [r["latency_mean_s"] for r in pts], marker="o", label=strategy)
+        axes[1].plot([r["rate"] for r in pts], [r["normalized_latency_s_per_token"] for r in pts], marker="o",
+                     label=strategy)
+    axes[0].set(xlabel="request rate (req/s)", ylabel="average latency (s)")
+    axes[1].set(xlabel="request rate (req/s)", ylabel="normalized latency (s/token)")
+    axes[0].legend()
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def load_table(load: list[dict]) -> str:
+    """Markdown table of the load runs."""
+    lines = ["| strategy | rate req/s | requests | errors | mean latency s | p90 s | normalized s/token |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in load:
+        lines.append(f"| {r['strategy']} | {r['rate']:g} | {r['requests']} | {r['errors']} | "
+                     f"{_fmt(r['latency_mean_s'], 2)} | {_fmt(r['latency_p90_s'], 2)} | "
+                     f"{_fmt(r['normalized_latency_s_per_token'], 3)} |")
+    return "\n".join(lines)
+
+
+def write_report(out: Path, rows: list[dict], config: dict, scorer: str | None, models: dict,
+                 load: list[dict] | None = None) -> dict:
+    """summary.csv, report.md, ttft.png, config.json (+ load.csv, load.png) written atomically; returns the
+    summary."""
     summary = summarize(rows)
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=COLUMNS)
@@ -111,5 +147,14 @@ def write_report(out: Path, rows: list[dict], config: dict, scorer: str | None, 
           "pipelined load and the shallow layers (edgeprompt, ce-lslm); the cloud's own KV computation is "
           "`cloud_s` in summary.csv (it happens ahead of the request). Memory: base = model weights; inference = "
           "the request's KV cache at the end of generation.", "", "![TTFT](ttft.png)", ""]
+    if load:
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=list(load[0]))
+        writer.writeheader()
+        writer.writerows(load)
+        write_text_atomic(out / "load.csv", buf.getvalue())
+        plot_load(load, out / "load.png")
+        md += ["## Latency under load (Poisson arrivals, loopback serve-edge)", "", load_table(load), "",
+               "![load](load.png)", ""]
     write_text_atomic(out / "report.md", "\n".join(md))
-    return {"summary": summary, "rows": len(rows)}
+    return {"summary": summary, "rows": len(rows), "load": load or []}

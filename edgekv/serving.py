@@ -22,7 +22,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from edgekv import EdgeKVError
-from edgekv.capture import decoder_layers
+from edgekv.capture import attn_shape, decoder_layers
 from edgekv.kvload import decode_layer, edge_kv
 from edgekv.kvstore import Expect, FetchError, KVExport, KVStoreError, is_url, tokenizer_fingerprint, write_copy
 from edgekv.models import LoadedModel
@@ -166,7 +166,9 @@ class EdgeSession:
         else:
             if system_prompt is None:
                 raise EdgeKVError("no KV export could be read and no --system-prompt was given to prefill locally")
-            self.system_ids = torch.tensor(edge.tokenizer(system_prompt, add_special_tokens=True)["input_ids"])
+            # an empty system prompt is a session without reuse: every request prefills its whole prompt
+            ids = edge.tokenizer(system_prompt, add_special_tokens=True)["input_ids"] if system_prompt else []
+            self.system_ids = torch.tensor(ids, dtype=torch.long)
         self.prefix_len = int(self.system_ids.numel())
         self._build(local_sink_tokens)
 
@@ -214,10 +216,17 @@ class EdgeSession:
                 fallbacks = fallbacks[1:]
             self.loader = LayerLoader(self.export, self.model, self.dtype, self.link, fallbacks, sink_kv,
                                       on_loaded=self._keep_copy if self.source == "remote" else None).start()
-        self.shallow = prefix_kv(self.model, self.system_ids, self.start_layer)
+        if self.prefix_len:
+            self.shallow = prefix_kv(self.model, self.system_ids, self.start_layer)
+        else:
+            _, kv_heads, head_dim = attn_shape(self.model)
+            empty = torch.zeros(1, kv_heads, 0, head_dim, dtype=self.dtype)
+            self.shallow = [(empty, empty)] * self.num_layers
         self.timings = {"shallow_prefill_s": time.perf_counter() - start}
 
     def _own_kv(self) -> list[KVPair]:
+        if self._own is None and not self.prefix_len:
+            self._own = self.shallow
         if self._own is None:
             self._own = prefix_kv(self.model, self.system_ids)
         return self._own

@@ -143,3 +143,15 @@ def test_cli_config_typo_and_empty_dataset(tmp_path, tiny_models, data, align_di
                    f"  xsum_source: {data['xsum']}\n  min_system_tokens: 100000\n")
     result = runner.invoke(app, ["eval", "--config", str(cfg), "--dataset", "xsum", "--out", str(tmp_path / "r")])
     assert result.exit_code == 1 and "no rows left after filtering" in result.output, result.output
+
+
+def test_load_curves(tiny_models, data, align_dir, tmp_path):
+    cfg = _cfg(tiny_models, data, align_dir, tmp_path / "load", datasets=["mmlu"],
+               strategies=["edge-only", "edgeprompt", "ce-lslm"], load_rates=[2.0, 6.0], load_seconds=1.5,
+               load_dataset="mmlu", load_max_tokens=3)
+    result = run_eval(cfg)
+    load = result["load"]
+    assert [(r["strategy"], r["rate"]) for r in load] == [(s, r) for s in cfg.strategies for r in (2.0, 6.0)]
+    assert all(r["errors"] == 0 and r["requests"] >= 1 and r["latency_mean_s"] > 0 for r in load)
+    assert (tmp_path / "load" / "load.png").exists() and "Latency under load" in (tmp_path / "load" /
+                                                                                   "report.md").read_text()

@@ -1,0 +1,80 @@
+"""Latency under load (the paper's Fig. 7): Poisson arrivals at given rates against a loopback `serve-edge`.
+
+Each strategy gets one server: the edge strategies hold one system prompt's KV (from their export) and answer
+every request's user prompt on it; `edge-only` / `cloud-only` hold no system KV and prefill each request's whole
+prompt. Arrivals are seeded; a run stops admitting after `seconds` and waits (bounded) for what is in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+import urllib.error
+import urllib.request
+
+from edgekv.server import EdgeServer
+from edgekv.serving import EdgeSession
+
+
+def _post(url: str, body: bytes, timeout: float) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, {}
+    except OSError:
+        return -1, {}
+
+
+def poisson_run(session: EdgeSession, prompts: list[str], rate: float, seconds: float, max_tokens: int,
+                seed: int = 0, timeout: float = 300.0) -> list[dict]:
+    """Serve `session` on loopback; send prompts (cycled) at Poisson rate `rate`/s for `seconds`; one row per
+    request: arrival offset, latency, tokens, status."""
+    server = EdgeServer(session, "127.0.0.1", 0, max_tokens_limit=max(max_tokens, 1))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1/completions"
+    rng = random.Random(seed)
+    rows: list[dict] = []
+    workers = []
+    start = time.perf_counter()
+
+    def one(k: int, offset: float) -> None:
+        body = json.dumps({"prompt": prompts[k % len(prompts)], "max_tokens": max_tokens}).encode()
+        sent = time.perf_counter()
+        status, answer = _post(url, body, timeout)
+        latency = time.perf_counter() - sent
+        tokens = answer.get("usage", {}).get("completion_tokens", 0) if status == 200 else 0
+        rows.append({"arrival_s": offset, "latency_s": latency, "tokens": tokens, "status": status})
+
+    k, t = 0, rng.expovariate(rate)
+    try:
+        while t < seconds:
+            delay = start + t - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            w = threading.Thread(target=one, args=(k, t), daemon=True)
+            w.start()
+            workers.append(w)
+            k += 1
+            t += rng.expovariate(rate)
+        for w in workers:
+            w.join(timeout)
+    finally:
+        server.shutdown()
+        server.server_close()
+    return rows
+
+
+def summarize_load(strategy: str, rate: float, rows: list[dict]) -> dict:
+    """Average latency and normalized latency (s per output token, the paper's measure) of one run."""
+    ok = [r for r in rows if r["status"] == 200]
+    lat = sorted(r["latency_s"] for r in ok)
+    norm = [r["latency_s"] / max(1, r["tokens"]) for r in ok]
+    return {"strategy": strategy, "rate": rate, "requests": len(rows), "errors": len(rows) - len(ok),
+            "latency_mean_s": sum(lat) / len(lat) if lat else None,
+            "latency_p90_s": lat[int(0.9 * (len(lat) - 1))] if lat else None,
+            "normalized_latency_s_per_token": sum(norm) / len(norm) if norm else None}
