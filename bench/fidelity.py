@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=256)
     ap.add_argument("--cont", type=int, default=64)
     ap.add_argument("--splits", default="0,8,12,16,20")
-    ap.add_argument("--sink", type=int, default=1)
+    ap.add_argument("--sink", default="1", help="first s prefix tokens kept local; a list (0,1,4) compares them")
     ap.add_argument("--translators", default="ridge,hidden")
     ap.add_argument("--calib-texts", type=int, default=32)
     ap.add_argument("--calib-tokens", type=int, default=256)
@@ -78,6 +78,8 @@ def main() -> None:
                     help="checkpoints of bench/train_translator.py to evaluate too: PATH or NAME=PATH,NAME=PATH")
     args = ap.parse_args()
     splits = [int(m) for m in args.splits.split(",")]
+    sinks = [int(x) for x in args.sink.split(",")]
+    sinks = sinks[0] if len(sinks) == 1 else sinks
     torch.manual_seed(0)
 
     cloud, edge = load_model("default-cloud"), load_model("default-edge")
@@ -108,7 +110,7 @@ def main() -> None:
     with Progress() as progress:
         task = progress.add_task("held-out texts", total=len(heldout))
         for n, text in enumerate(heldout):
-            rows += evaluate_text(edge, cloud, text, translators, splits, args.sink, seed=n, text_id=n)
+            rows += evaluate_text(edge, cloud, text, translators, splits, sinks, seed=n, text_id=n)
             progress.advance(task)
     summary = summarize(rows) + [dict(d, nll=d["delta_nll"], nll_se=d["delta_nll_se"],
                                       condition="Δ " + d["condition"]) for d in paired_delta(rows)]

@@ -215,12 +215,12 @@ class Runner:
         """Answer one request with one strategy and measure it."""
         base = strategy.partition(":")[0]
         params = SamplingParams(max_new_tokens=self.cfg.max_new_tokens)
-        sent: list[str] = []
+        sent: list[tuple[str, str]] = []  # what this strategy passes to the cloud side
         cloud_s, bytes_down, network_s = 0.0, 0, 0.0
         if base in ("edgeprompt", "ce-lslm"):
             export, info = self.export(strategy, req.system)
             cloud_s, bytes_down = info["cloud_s"], info["bytes"]
-            sent.append(info["cloud_input"])
+            sent.append(("system", info["cloud_input"]))
             model = self.edge
             start = time.perf_counter()
             session = EdgeSession(model, str(export), link=self.link, cache_dir=self.out / "work" / "kvcache")
@@ -229,7 +229,7 @@ class Runner:
             start = time.perf_counter()
             session = EdgeSession(model, None, system_prompt=req.system)
             if base == "cloud-only":  # the prompt goes up, tokens come down: modelled link time, added
-                sent.append(req.system + req.user)
+                sent += [("system", req.system), ("user", req.user)]
                 network_s = self.link.seconds(len(req.user.encode())) + self.cfg.latency_ms / 1e3
         built = time.perf_counter() - start
         user = session.encode_user(req.user)
@@ -250,6 +250,7 @@ class Runner:
             "ms_per_token": 1e3 * (done.total_s - done.ttft_s) / max(1, len(done.token_ids) - 1),
             "network_s": network_s, "cloud_s": cloud_s, "layer_wait_s": done.layer_wait_s,
             "bytes_cloud_to_edge": bytes_down, "upload_ratio": upload_ratio(req.user, sent),
+            "user_text_in_system_prompt": req.user.strip() in req.system,
             "base_memory_mb": _model_bytes(model) / 2**20, "inference_memory_mb": done.kv_bytes / 2**20,
             "rss_mb": _rss_mb(), "kv_source": session.source,
             "layer_sources": session.describe()["layer_sources"],

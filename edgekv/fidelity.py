@@ -80,9 +80,11 @@ def matched_noise(true: dict, translated: dict, seed: int) -> dict:
 
 
 @torch.no_grad()
-def evaluate_text(edge, cloud, text: HeldOutText, translators: dict, splits: list[int], sink: int,
+def evaluate_text(edge, cloud, text: HeldOutText, translators: dict, splits: list[int], sink: int | list[int],
                   seed: int = 0, text_id: int = 0) -> list[dict]:
-    """All conditions for one text → rows {condition, m, nll, top1_edge, top1_cloud}."""
+    """All conditions for one text → rows {condition, m, nll, top1_edge, top1_cloud}. Several `sink` values
+    name the spliced conditions `<translator>|sink=<s>` (one set of model passes serves them all)."""
+    sinks = [sink] if isinstance(sink, int) else list(sink)
     full = torch.cat([text.prefix, text.continuation])
     p = text.prefix.numel()
     targets = text.continuation[1:]
@@ -113,9 +115,11 @@ def evaluate_text(edge, cloud, text: HeldOutText, translators: dict, splits: lis
         noisy = matched_noise({i: own[i] for i in translated}, translated, seed)
         for m in splits:
             deep = [i for i in translated if i >= m]
-            for condition, kv in ((name, translated), (f"noise:{name}", noisy)):
-                cache = splice_layers(copy.deepcopy(base), {i: kv[i] for i in deep}, keep_first=sink)
-                row(condition, m, _continue(edge.model, cache, text.continuation, p))
+            for s in sinks:
+                tag = "" if len(sinks) == 1 else f"|sink={s}"
+                for condition, kv in ((name, translated), (f"noise:{name}", noisy)):
+                    cache = splice_layers(copy.deepcopy(base), {i: kv[i] for i in deep}, keep_first=s)
+                    row(condition + tag, m, _continue(edge.model, cache, text.continuation, p))
     return rows
 
 

@@ -61,14 +61,14 @@ def accuracy(chosen: list[int], answers: list[int]) -> float:
     return sum(int(c == a) for c, a in zip(chosen, answers, strict=True)) / len(answers)
 
 
-def upload_ratio(user_prompt: str, sent_to_cloud: list[str]) -> float:
-    """Bytes of the user prompt that reached the cloud ÷ bytes of the user prompt: 1 when any payload sent to
-    the cloud contains it, else 0 (payloads are what the strategy's code actually passed to the cloud side)."""
+def upload_ratio(user_prompt: str, sent_to_cloud: list[tuple[str, str]]) -> float:
+    """Bytes of the user prompt sent to the cloud ÷ bytes of the user prompt. `sent_to_cloud` lists what the
+    strategy's code passed to the cloud side as (what, text): the user prompt counts where it was passed
+    ("user"), not where the same words happen to occur in the system prompt (ShareGPT users repeat themselves)."""
     size = len(user_prompt.encode())
     if size == 0:
         return 0.0
-    sent = size if any(user_prompt in payload for payload in sent_to_cloud) else 0
-    return sent / size
+    return min(1.0, sum(len(text.encode()) for what, text in sent_to_cloud if what == "user") / size)
 
 
 class BertScore:

@@ -106,8 +106,9 @@ def test_metrics_by_hand():
     assert rouge_l("The cat sat", "the cat was here") == pytest.approx(4 / 7)
     assert rouge_l("", "x") == 0.0
     assert accuracy([0, 1, 2, 3], [0, 1, 0, 0]) == 0.5
-    assert upload_ratio("my secret", ["system only"]) == 0.0
-    assert upload_ratio("my secret", ["system + my secret"]) == 1.0
+    assert upload_ratio("my secret", [("system", "system only")]) == 0.0
+    assert upload_ratio("my secret", [("system", "my secret, said before")]) == 0.0  # not passed: not sent
+    assert upload_ratio("my secret", [("system", "s"), ("user", "my secret")]) == 1.0
 
 
 def test_requests_are_seeded_and_filtered(data):
