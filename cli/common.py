@@ -55,3 +55,14 @@ def progress_bar() -> Progress:
 def parse_list(value: str | None) -> list[str] | None:
     """A comma-separated flag value as a list (None stays None)."""
     return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
+
+
+def parse_floats(value: str | None) -> list[float] | None:
+    """A comma-separated list of numbers (None stays None); a non-number is a one-line error."""
+    items = parse_list(value)
+    if items is None:
+        return None
+    try:
+        return [float(v) for v in items]
+    except ValueError:
+        raise EdgeKVError(f"expected comma-separated numbers, got '{value}'") from None

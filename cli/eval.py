@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from cli.common import console, one_line_errors, parse_list, progress_bar
+from cli.common import console, one_line_errors, parse_floats, parse_list, progress_bar
 from edgekv.config import load_config
 from edgekv.evaluate import EvalConfig, run_eval
 from edgekv.report import table_ii
@@ -23,14 +23,18 @@ def eval_(
     max_new_tokens: Optional[int] = typer.Option(None, help="Tokens generated per answer [32]."),
     bandwidth_mbps: Optional[float] = typer.Option(None, help="Emulated cloud→edge link [100]."),
     latency_ms: Optional[float] = typer.Option(None, help="Link latency per file [20]."),
+    translator: Optional[str] = typer.Option(None, help="ce-lslm's translator: ridge, hidden, trained [hidden]."),
     translator_path: Optional[Path] = typer.Option(None, help="A saved translator for ce-lslm [fit one]."),
     seed: Optional[int] = typer.Option(None, help="Sampling seed of the requests [0]."),
+    load_rates: Optional[str] = typer.Option(None, help="Poisson load runs at these requests/s, e.g. 0.1,0.25,0.5."),
+    load_seconds: Optional[float] = typer.Option(None, help="Length of each load run [20]."),
 ) -> None:
     """Evaluate strategies on XSum / MMLU / ShareGPT: latency, memory, bytes, upload ratio and quality."""
     overrides = dict(datasets=parse_list(dataset), strategies=parse_list(strategies), limit=limit,
                      out=str(out) if out else None, max_new_tokens=max_new_tokens, bandwidth_mbps=bandwidth_mbps,
-                     latency_ms=latency_ms, translator_path=str(translator_path) if translator_path else None,
-                     seed=seed)
+                     latency_ms=latency_ms, translator=translator,
+                     translator_path=str(translator_path) if translator_path else None, seed=seed,
+                     load_rates=parse_floats(load_rates), load_seconds=load_seconds)
     cfg = load_config(EvalConfig, "eval", config, overrides)
     with progress_bar() as progress:
         result = run_eval(cfg, progress)

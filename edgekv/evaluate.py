@@ -21,10 +21,11 @@ from pathlib import Path
 import torch
 
 from edgekv import EdgeKVError
+from edgekv.atomic import write_text_atomic
 from edgekv.compress import CompressConfig, _calibration, get_translator, resolve_pairs, run_compress
 from edgekv.config import command_config, to_dict
 from edgekv.datasets import DATASETS, Request, load_requests
-from edgekv.kvmap import save_translator
+from edgekv.kvmap import TRANSLATORS, save_translator
 from edgekv.mapping import STRATEGIES as MAPPINGS
 from edgekv.metrics import BertScore, option_choice, rouge_l, upload_ratio
 from edgekv.models import DTYPES, LoadedModel, check_tokenizers, load_model
@@ -41,7 +42,7 @@ BASE_STRATEGIES = ("cloud-only", "edge-only", "edgeprompt", "ce-lslm")
 class EvalConfig:
     """Everything `edgekv eval` needs; see configs/eval/*.yaml."""
 
-    out: str = "reports/eval-default"
+    out: str = "runs/eval-default"
     cloud: str = "default-cloud"
     edge: str = "default-edge"
     dtype: str = "bfloat16"
@@ -98,6 +99,8 @@ class EvalConfig:
             raise EdgeKVError("load_rates and load_seconds must be > 0")
         if self.load_rates and self.load_dataset not in self.datasets:
             raise EdgeKVError(f"load_dataset '{self.load_dataset}' is not among the datasets evaluated")
+        if self.translator not in TRANSLATORS:
+            raise EdgeKVError(f"unknown translator '{self.translator}' (choose from {', '.join(TRANSLATORS)})")
         if self.translator == "trained" and not self.translator_path:
             raise EdgeKVError("translator 'trained' needs translator_path (a checkpoint of bench.train_translator)")
 
@@ -280,6 +283,27 @@ def read_results(path: Path) -> list[dict]:
     return rows
 
 
+# Keys that choose what is run or reported, not what a row holds: rows made under other values are reusable.
+RESUMABLE_KEYS = {"out", "datasets", "strategies", "limit", "align_config", "load_rates", "load_seconds",
+                  "load_dataset", "load_max_tokens"}
+
+
+def check_resumable(out: Path, cfg: EvalConfig) -> None:
+    """Refuse to mix rows made under another config into this run's results."""
+    path = out / "config.json"
+    if not path.exists():
+        return
+    try:
+        before = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise EdgeKVError(f"{path}: unreadable ({exc}); pass another --out") from exc
+    now = to_dict(cfg)
+    differ = sorted(k for k in now if k not in RESUMABLE_KEYS and k in before and before[k] != now[k])
+    if differ:
+        raise EdgeKVError(f"{out}/results.jsonl was made with other settings ({', '.join(differ)}); "
+                          "pass another --out, or delete it to start over")
+
+
 def run_eval(cfg: EvalConfig, progress=None, models=None) -> dict:
     """Run (resuming), then write summary.csv, report.md, plots and config.json into cfg.out."""
     from edgekv.report import write_report
@@ -290,6 +314,9 @@ def run_eval(cfg: EvalConfig, progress=None, models=None) -> dict:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise EdgeKVError(f"cannot write {out}: {exc.strerror or exc}") from exc
+    if (out / "results.jsonl").exists():
+        check_resumable(out, cfg)
+    write_text_atomic(out / "config.json", json.dumps(to_dict(cfg), indent=1))
     steps = Steps(progress)
     runner = Runner(cfg, out, steps, models)
     requests = {d: load_requests(d, runner.edge.tokenizer, cfg.limit, cfg.seed, getattr(cfg, f"{d}_source"),

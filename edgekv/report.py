@@ -156,5 +156,8 @@ def write_report(out: Path, rows: list[dict], config: dict, scorer: str | None, 
         plot_load(load, out / "load.png")
         md += ["## Latency under load (Poisson arrivals, loopback serve-edge)", "", load_table(load), "",
                "![load](load.png)", ""]
+    else:  # a load table from an earlier run would no longer match this report
+        for stale in ("load.csv", "load.png"):
+            (out / stale).unlink(missing_ok=True)
     write_text_atomic(out / "report.md", "\n".join(md))
     return {"summary": summary, "rows": len(rows), "load": load or []}

@@ -100,6 +100,14 @@ def test_resumption_runs_only_what_is_missing(evaluated, tiny_models, data, alig
     assert again[:-1] == lines[:-1] and json.loads(again[-1])["id"] == json.loads(lines[-1])["id"]
 
 
+def test_resumption_refuses_rows_made_with_other_settings(evaluated, tiny_models, data, align_dir):
+    out, _ = evaluated
+    before = (out / "results.jsonl").read_text()
+    with pytest.raises(EdgeKVError, match=r"made with other settings \(max_new_tokens\)"):
+        run_eval(_cfg(tiny_models, data, align_dir, out, max_new_tokens=5))
+    assert (out / "results.jsonl").read_text() == before
+
+
 def test_metrics_by_hand():
     assert lcs_length("a b c d".split(), "a c d e".split()) == 3
     # candidate "the cat sat", reference "the cat was here": LCS 2, P 2/3, R 2/4 → F 4/7
@@ -128,6 +136,10 @@ def test_requests_are_seeded_and_filtered(data):
     (["--dataset", "squad"], "unknown dataset 'squad'"),
     (["--strategies", "edge-only,magic"], "unknown strategy 'magic'"),
     (["--limit", "0"], "--limit"),
+    (["--translator", "magic"], "unknown translator 'magic'"),
+    (["--translator", "trained"], "translator 'trained' needs translator_path"),
+    (["--load-rates", "0.1,fast"], "expected comma-separated numbers"),
+    (["--load-rates", "-1"], "load_rates and load_seconds must be > 0"),
 ])
 def test_cli_bad_input(args, message, tmp_path):
     result = runner.invoke(app, ["eval", "--out", str(tmp_path / "r"), *args])
