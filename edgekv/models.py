@@ -214,32 +214,29 @@ def _load_error(spec: str, exc: Exception) -> EdgeKVError:
     return EdgeKVError(f"cannot load model '{spec}': {first} (offline? known aliases: {', '.join(DEFAULT_MODELS)})")
 
 
+def _from_pretrained(spec: str, auto_class, **kwargs) -> tuple[object, _Resolved]:
+    """`auto_class.from_pretrained` on a resolved spec; loader failures become one-line errors."""
+    try:
+        r = _resolve(spec)  # may assemble and convert a packaged default: its I/O errors are load errors too
+        if r.gguf_file:
+            kwargs["gguf_file"] = r.gguf_file
+        return auto_class.from_pretrained(r.where, **kwargs), r
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise _load_error(spec, exc) from exc
+
+
 def load_tokenizer(spec: str) -> object:
     """The tokenizer of a model spec, without loading its weights."""
     from transformers import AutoTokenizer
 
-    try:
-        r = _resolve(spec)
-        extra = {"gguf_file": r.gguf_file} if r.gguf_file else {}
-        return AutoTokenizer.from_pretrained(r.where, **extra)
-    except EdgeKVError:
-        raise
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        raise _load_error(spec, exc) from exc
+    return _from_pretrained(spec, AutoTokenizer)[0]
 
 
 def num_layers(spec: str) -> int:
     """The decoder depth of a model spec, from its config alone."""
     from transformers import AutoConfig
 
-    try:
-        r = _resolve(spec)
-        extra = {"gguf_file": r.gguf_file} if r.gguf_file else {}
-        return AutoConfig.from_pretrained(r.where, **extra).num_hidden_layers
-    except EdgeKVError:
-        raise
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        raise _load_error(spec, exc) from exc
+    return _from_pretrained(spec, AutoConfig)[0].num_hidden_layers
 
 
 def load_model(spec: str, dtype: str = "bfloat16", device_map: str | None = None) -> LoadedModel:
@@ -249,15 +246,7 @@ def load_model(spec: str, dtype: str = "bfloat16", device_map: str | None = None
     kwargs: dict = {"dtype": parse_dtype(dtype)}
     if device_map:
         kwargs["device_map"] = device_map
-    try:
-        r = _resolve(spec)
-        if r.gguf_file:
-            kwargs["gguf_file"] = r.gguf_file
-        model = AutoModelForCausalLM.from_pretrained(r.where, **kwargs)
-    except EdgeKVError:
-        raise
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        raise _load_error(spec, exc) from exc
+    model, r = _from_pretrained(spec, AutoModelForCausalLM, **kwargs)
     model.hf_quantizer = None  # a GGUF load is dequantized into plain tensors
     model.eval()
     return LoadedModel(spec=spec, model=model, tokenizer=load_tokenizer(spec), source=r.source,
