@@ -79,7 +79,6 @@ def main() -> None:
     args = ap.parse_args()
     splits = [int(m) for m in args.splits.split(",")]
     sinks = [int(x) for x in args.sink.split(",")]
-    sinks = sinks[0] if len(sinks) == 1 else sinks
     torch.manual_seed(0)
 
     cloud, edge = load_model("default-cloud"), load_model("default-edge")
