@@ -85,6 +85,11 @@ def test_fidelity_harness_on_tiny_pair(tiny_models, calib_file):
     assert all(r["nll"] > 0 for r in rows)
     summary = summarize(rows + rows)
     assert all(s["texts"] == 2 and s["nll_se"] == 0.0 for s in summary)
+    several = {(r["condition"], r["m"]): r for r in evaluate_text(edge, cloud, text, translators, [2], sink=[0, 1])}
+    assert {("ridge|sink=0", 2), ("ridge|sink=1", 2), ("noise:hidden|sink=0", 2)} <= set(several)
+    assert several[("ridge|sink=0", 2)]["nll"] != several[("ridge|sink=1", 2)]["nll"]  # the sink is honoured
+    # sink 1 is the same splice as the single-value run above
+    assert several[("ridge|sink=1", 2)]["nll"] == pytest.approx(by[("ridge", 2)]["nll"], abs=1e-6)
 
 
 def test_paired_delta():
