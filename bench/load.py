@@ -12,13 +12,13 @@ import argparse
 import json
 import threading
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
 import psutil
 
 from edgekv.compress import CompressConfig, run_compress
+from edgekv.loadrun import post_json
 from edgekv.models import load_model
 from edgekv.server import EdgeServer, percentile
 from edgekv.serving import EdgeSession
@@ -28,15 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def post(url: str, body: bytes) -> tuple[int, float]:
     start = time.perf_counter()
-    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            r.read()
-            return r.status, time.perf_counter() - start
-    except urllib.error.HTTPError as e:
-        return e.code, time.perf_counter() - start
-    except OSError:
-        return -1, time.perf_counter() - start
+    status, _ = post_json(url, body, timeout=120)
+    return status, time.perf_counter() - start
 
 
 def main() -> None:

@@ -18,7 +18,8 @@ from edgekv.server import EdgeServer
 from edgekv.serving import EdgeSession
 
 
-def _post(url: str, body: bytes, timeout: float) -> tuple[int, dict]:
+def post_json(url: str, body: bytes, timeout: float) -> tuple[int, dict]:
+    """POST a JSON body; (HTTP status, parsed answer), with status -1 and {} when the server is unreachable."""
     req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -45,7 +46,7 @@ def poisson_run(session: EdgeSession, prompts: list[str], rate: float, seconds: 
     def one(k: int, offset: float) -> None:
         body = json.dumps({"prompt": prompts[k % len(prompts)], "max_tokens": max_tokens}).encode()
         sent = time.perf_counter()
-        status, answer = _post(url, body, timeout)
+        status, answer = post_json(url, body, timeout)
         latency = time.perf_counter() - sent
         tokens = answer.get("usage", {}).get("completion_tokens", 0) if status == 200 else 0
         rows.append({"arrival_s": offset, "latency_s": latency, "tokens": tokens, "status": status})
