@@ -56,7 +56,8 @@ def serve_edge(
                       f"{', '.join(session.describe()['layer_sources'])}")
         return
     try:
-        server = EdgeServer(session, cfg.host, cfg.port, cfg.max_body_bytes, cfg.max_tokens_limit)
+        server = EdgeServer(session, cfg.host, cfg.port, cfg.max_body_bytes, cfg.max_tokens_limit,
+                            cfg.sampling())
     except OSError as exc:
         from edgekv import EdgeKVError
 

@@ -89,10 +89,7 @@ def read_batch(path: str | Path, cfg: ServeConfig) -> list[tuple[str, str, Sampl
             data = json.loads(line)
             if not isinstance(data, dict) or not isinstance(data.get("prompt"), str) or not data["prompt"]:
                 raise ValueError("needs a non-empty 'prompt' string")
-            params = SamplingParams(int(data.get("max_tokens", cfg.max_new_tokens)),
-                                    float(data.get("temperature", cfg.temperature)),
-                                    float(data.get("top_p", cfg.top_p)), int(data.get("seed", cfg.seed)))
-            params.validate(cfg.max_tokens_limit)
+            params = cfg.sampling().from_request(data, cfg.max_tokens_limit)
         except (json.JSONDecodeError, ValueError, TypeError, EdgeKVError) as exc:
             raise EdgeKVError(f"{path}:{n}: {exc}") from exc
         rows.append((str(data.get("id", n)), data["prompt"], params))

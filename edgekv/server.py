@@ -28,7 +28,8 @@ class RequestError(Exception):
         self.status = status
 
 
-def parse_request(body: bytes, max_tokens_limit: int) -> tuple[str, SamplingParams, bool]:
+def parse_request(body: bytes, max_tokens_limit: int, defaults: SamplingParams | None = None
+                  ) -> tuple[str, SamplingParams, bool]:
     """(prompt, sampling parameters, stream) from a completions request body; RequestError(400) if invalid."""
     try:
         data = json.loads(body.decode("utf-8"))
@@ -40,10 +41,7 @@ def parse_request(body: bytes, max_tokens_limit: int) -> tuple[str, SamplingPara
     if not isinstance(prompt, str) or not prompt:
         raise RequestError(400, "'prompt' must be a non-empty string")
     try:
-        params = SamplingParams(max_new_tokens=int(data.get("max_tokens", 64)),
-                                temperature=float(data.get("temperature", 0.0)),
-                                top_p=float(data.get("top_p", 1.0)), seed=int(data.get("seed", 0)))
-        params.validate(max_tokens_limit)
+        params = (defaults or SamplingParams()).from_request(data, max_tokens_limit)
     except (TypeError, ValueError) as exc:
         raise RequestError(400, f"bad parameter: {exc}") from exc
     except EdgeKVError as exc:
@@ -77,8 +75,9 @@ class EdgeServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, session: EdgeSession, host: str = "127.0.0.1", port: int = 8000, max_body: int = 65536,
-                 max_tokens_limit: int = 512):
+                 max_tokens_limit: int = 512, defaults: SamplingParams | None = None):
         self.session, self.max_body, self.max_tokens_limit = session, max_body, max_tokens_limit
+        self.defaults = defaults or SamplingParams()  # what a request leaves out (serve-edge's flags)
         self.http_errors = 0
         self.stats_lock = threading.Lock()
         super().__init__((host, port), _Handler)
@@ -138,7 +137,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path != "/v1/completions":
             return self._error(404, f"no such endpoint: POST {self.path}")
         try:
-            prompt, params, stream = parse_request(body, self.server.max_tokens_limit)
+            prompt, params, stream = parse_request(body, self.server.max_tokens_limit, self.server.defaults)
         except RequestError as exc:
             return self._error(exc.status, str(exc))
         request_id = f"cmpl-{uuid.uuid4().hex[:12]}"

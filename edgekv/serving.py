@@ -101,6 +101,15 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
 
+    def from_request(self, data: dict, limit: int) -> SamplingParams:
+        """A request's own values ("max_tokens", "temperature", "top_p", "seed") over these defaults, validated;
+        ValueError/TypeError for values of the wrong type, EdgeKVError for out-of-range ones."""
+        params = SamplingParams(int(data.get("max_tokens", self.max_new_tokens)),
+                                float(data.get("temperature", self.temperature)),
+                                float(data.get("top_p", self.top_p)), int(data.get("seed", self.seed)))
+        params.validate(limit)
+        return params
+
     def validate(self, limit: int) -> None:
         """One-line errors for out-of-range values."""
         if not 1 <= self.max_new_tokens <= limit:

@@ -319,6 +319,20 @@ def test_parse_request_and_percentile():
     prompt, params, stream = parse_request(b'{"prompt": "a", "max_tokens": 3, "temperature": 0.5}', 8)
     assert (prompt, params.max_new_tokens, params.temperature, stream) == ("a", 3, 0.5, False)
     assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5 and percentile([], 0.5) is None
+    defaults = SamplingParams(max_new_tokens=5, temperature=0.7, top_p=0.9, seed=3)
+    _, params, _ = parse_request(b'{"prompt": "a"}', 8, defaults)  # serve-edge's flags fill what is left out
+    assert (params.max_new_tokens, params.temperature, params.top_p, params.seed) == (5, 0.7, 0.9, 3)
+    _, params, _ = parse_request(b'{"prompt": "a", "top_p": 0.5}', 8, defaults)
+    assert (params.max_new_tokens, params.top_p) == (5, 0.5)
+
+
+def test_http_uses_the_servers_default_max_tokens(server):
+    url, srv = server
+    srv.defaults = SamplingParams(max_new_tokens=3)
+    status, body = _post(url, json.dumps({"prompt": USERS[0]}).encode())
+    answer = json.loads(body)
+    assert status == 200 and answer["usage"]["completion_tokens"] == 3
+    assert answer["choices"][0]["finish_reason"] == "length"
 
 
 def test_loopback_load_test(server):
