@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from edgekv.align import AlignConfig, calibration_source, drop_massive_tokens, similarity_all, tokenize
-from edgekv.capture import capture
-from edgekv.models import load_model
-from edgekv.steps import Steps
+from edgekv.align.align_job import AlignConfig, calibration_source, drop_massive_tokens, similarity_all, tokenize
+from edgekv.models.capture import capture
+from edgekv.models.loading import load_model
+from edgekv.progress import Steps
 
 
 def _median_time(fn, repeats: int):

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import torch
 
-from edgekv.capture import attn_shape
-from edgekv.compress import (
+from edgekv.kv.compress_job import (
     CompressConfig,
     _calibration,
     encode_layer,
@@ -26,8 +25,9 @@ from edgekv.compress import (
     raw_fp16_bytes,
     resolve_pairs,
 )
-from edgekv.models import load_model
-from edgekv.steps import Steps
+from edgekv.models.loading import load_model
+from edgekv.models.structure import attn_shape
+from edgekv.progress import Steps
 
 ROOT = Path(__file__).resolve().parents[1]
 

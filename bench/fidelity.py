@@ -19,14 +19,14 @@ from pathlib import Path
 import torch
 from rich.progress import Progress
 
-from edgekv.align import tokenize
-from edgekv.capture import capture
-from edgekv.fidelity import evaluate_text, paired_delta, split_texts, summarize, xsum_documents
-from edgekv.kvmap import TRANSLATORS
-from edgekv.mapping import MappingParams, build_mapping
-from edgekv.models import load_model
-from edgekv.texts import iter_sharegpt, render_conversation, sharegpt_texts
-from edgekv.training import load_trained
+from edgekv.align.align_job import tokenize
+from edgekv.align.mapping import MappingParams, build_mapping
+from edgekv.eval.fidelity import evaluate_text, paired_delta, summarize
+from edgekv.kv.training import load_trained
+from edgekv.kv.translators import TRANSLATORS
+from edgekv.models.capture import capture
+from edgekv.models.loading import load_model
+from edgekv.texts import iter_sharegpt, render_conversation, sharegpt_texts, split_texts, xsum_documents
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import psutil
 
-from edgekv.compress import CompressConfig, run_compress
-from edgekv.loadrun import post_json
-from edgekv.models import load_model
-from edgekv.server import EdgeServer, percentile
-from edgekv.serving import EdgeSession
+from edgekv.eval.load_runs import post_json
+from edgekv.kv.compress_job import CompressConfig, run_compress
+from edgekv.models.loading import load_model
+from edgekv.serve.http_server import EdgeServer, percentile
+from edgekv.serve.session import EdgeSession
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 
 from bench.compress import xsum_prompt
-from edgekv.capture import decoder_layers
-from edgekv.compress import CompressConfig, run_compress
-from edgekv.models import load_model
-from edgekv.pipeline import Link, overlap_efficiency, predict_ttft
-from edgekv.serving import EdgeSession, SamplingParams
+from edgekv.kv.compress_job import CompressConfig, run_compress
+from edgekv.models.loading import load_model
+from edgekv.models.structure import decoder_layers
+from edgekv.serve.pipeline import Link, overlap_efficiency, predict_ttft
+from edgekv.serve.session import EdgeSession, SamplingParams
 from edgekv.texts import sharegpt_texts
 
 ROOT = Path(__file__).resolve().parents[1]

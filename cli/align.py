@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from cli.common import console, one_line_errors, parse_list, progress_bar
-from edgekv.align import AlignConfig, run_align
+from edgekv.align.align_job import AlignConfig, run_align
 from edgekv.config import load_config
 
 

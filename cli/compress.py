@@ -9,8 +9,8 @@ import typer
 from rich.table import Table
 
 from cli.common import console, one_line_errors, progress_bar
-from edgekv.compress import CompressConfig, run_compress
 from edgekv.config import load_config
+from edgekv.kv.compress_job import CompressConfig, run_compress
 
 
 @one_line_errors

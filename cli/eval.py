@@ -9,8 +9,8 @@ import typer
 
 from cli.common import console, one_line_errors, parse_floats, parse_list, progress_bar
 from edgekv.config import load_config
-from edgekv.evaluate import EvalConfig, run_eval
-from edgekv.report import table_ii
+from edgekv.eval.eval_job import EvalConfig, run_eval
+from edgekv.eval.report import table_ii
 
 
 @one_line_errors

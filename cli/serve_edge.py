@@ -9,8 +9,9 @@ import typer
 
 from cli.common import console, one_line_errors, progress_bar
 from edgekv.config import load_config
-from edgekv.serve import ServeConfig, open_session, run_batch
-from edgekv.server import EdgeServer, serve
+from edgekv.serve.batch import run_batch
+from edgekv.serve.http_server import serve
+from edgekv.serve.serve_job import ServeConfig, open_server, open_session
 
 
 @one_line_errors
@@ -55,13 +56,7 @@ def serve_edge(
                       f"{session.describe()['bytes_loaded']:,} bytes loaded; layer sources "
                       f"{', '.join(session.describe()['layer_sources'])}")
         return
-    try:
-        server = EdgeServer(session, cfg.host, cfg.port, cfg.max_body_bytes, cfg.max_tokens_limit,
-                            cfg.sampling())
-    except OSError as exc:
-        from edgekv import EdgeKVError
-
-        raise EdgeKVError(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}") from exc
+    server = open_server(cfg, session)
     console.print(f"listening on http://{cfg.host}:{server.server_address[1]} (POST /v1/completions, GET /healthz, "
                   "GET /metrics); Ctrl-C stops")
     serve(server)

@@ -1,4 +1,5 @@
-"""Calibration texts: the ShareGPT file shipped on PyPI (truncated, parsed record by record) or a local file."""
+"""Text sources: calibration texts (the ShareGPT file shipped on PyPI, or a local file), held-out prefix and
+continuation pairs, XSum documents and system prompts given as TEXT or @FILE."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from edgekv import EdgeKVError
 
@@ -122,3 +125,46 @@ def load_text_file(path: str | Path, field: str = "text") -> TextSource:
     if not texts:
         raise EdgeKVError(f"{path}: no texts (the file is empty or holds only blank entries)")
     return TextSource(texts, f"{path}: {len(texts)} texts")
+
+
+def read_system_prompt(value: str) -> str:
+    """TEXT, or @PATH of a UTF-8 file; refuses an empty prompt."""
+    if value.startswith("@"):
+        path = Path(value[1:])
+        if not path.is_file():
+            raise EdgeKVError(f"system prompt file not found: {path}")
+        try:
+            value = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise EdgeKVError(f"{path}: not UTF-8 text") from exc
+    if not value.strip():
+        raise EdgeKVError("the system prompt is empty")
+    return value
+
+
+@dataclass
+class HeldOutText:
+    """A prefix and its continuation, token ids."""
+
+    source: str
+    prefix: torch.Tensor
+    continuation: torch.Tensor
+
+
+def split_texts(tokenizer, texts: list[str], source: str, prefix_tokens: int, cont_tokens: int,
+                limit: int) -> list[HeldOutText]:
+    """The first `limit` texts long enough for prefix + continuation, cut to exactly those lengths."""
+    out = []
+    for text in texts:
+        ids = tokenizer(text)["input_ids"]
+        if len(ids) >= prefix_tokens + cont_tokens:
+            ids = torch.tensor(ids[: prefix_tokens + cont_tokens])
+            out.append(HeldOutText(source, ids[:prefix_tokens], ids[prefix_tokens:]))
+            if len(out) == limit:
+                break
+    return out
+
+
+def xsum_documents(path: str | Path) -> list[str]:
+    """Documents of the XSum JSONL sample."""
+    return [json.loads(line)["document"] for line in Path(path).read_text().splitlines() if line.strip()]

@@ -2,8 +2,9 @@
 
 import torch
 
-from edgekv.capture import capture, rotary_cos_sin, rotate_keys, unrotate_keys
-from edgekv.similarity import linear_cka
+from edgekv.align.similarity import linear_cka
+from edgekv.models.capture import capture
+from edgekv.models.structure import rotary_cos_sin, rotate_keys, unrotate_keys
 from tests.conftest import tiny_opt, tiny_qwen2
 
 

@@ -9,10 +9,10 @@ import torch
 from typer.testing import CliRunner
 
 from cli.main import app
-from edgekv.compress import CompressConfig, run_compress
-from edgekv.kvload import decode_layer, edge_kv
-from edgekv.kvstore import Expect, KVExport, KVStoreError, tokenizer_fingerprint
-from edgekv.models import load_model
+from edgekv.kv.compress_job import CompressConfig, run_compress
+from edgekv.kv.decode import decode_layer, edge_kv
+from edgekv.kv.export import Expect, KVExport, KVStoreError, tokenizer_fingerprint
+from edgekv.models.loading import load_model
 from tests.conftest import byte_tokenizer
 
 runner = CliRunner()

@@ -7,10 +7,10 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from edgekv import EdgeKVError
-from edgekv.align import AlignConfig, run_align
-from edgekv.datasets import load_requests
-from edgekv.evaluate import EvalConfig, read_results, run_eval
-from edgekv.metrics import accuracy, lcs_length, rouge_l, upload_ratio
+from edgekv.align.align_job import AlignConfig, run_align
+from edgekv.eval.datasets import load_requests
+from edgekv.eval.eval_job import EvalConfig, read_results, run_eval
+from edgekv.eval.metrics import accuracy, lcs_length, rouge_l, upload_ratio
 from tests.conftest import byte_tokenizer
 
 runner = CliRunner()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from edgekv import EdgeKVError
-from edgekv.mapping import STRATEGIES, MappingParams, build_mapping
+from edgekv.align.mapping import STRATEGIES, MappingParams, build_mapping
 
 
 def _matrices(n_cloud=7, n_edge=5, seed=0):

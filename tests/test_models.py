@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from edgekv import EdgeKVError
-from edgekv.models import PackagedGGUF, assemble_gguf, check_tokenizers, load_model, parse_dtype
+from edgekv.models.loading import PackagedGGUF, assemble_gguf, check_tokenizers, load_model, parse_dtype
 from tests.conftest import byte_tokenizer
 
 

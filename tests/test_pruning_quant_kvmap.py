@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from edgekv import EdgeKVError
-from edgekv.kvmap import fit_ridge, r2_score
-from edgekv.pruning import attention_error, kept_count, prune_keys, pruned_scores, think_scores, think_select
-from edgekv.quant import dequantize, quantize
+from edgekv.kv.codecs import dequantize, quantize
+from edgekv.kv.pruning import attention_error, kept_count, prune_keys, pruned_scores, think_scores, think_select
+from edgekv.kv.translators import fit_ridge, r2_score
 
 
 def _qk(q_heads=8, kv_heads=2, w=6, s=40, d=16, seed=0):

@@ -36,10 +36,10 @@ def test_align_on_the_default_pair(tmp_path):
 def test_compress_on_the_default_pair_and_reload(tmp_path):
     import torch
 
-    from edgekv.compress import CompressConfig, run_compress
-    from edgekv.kvload import decode_layer, edge_kv
-    from edgekv.kvstore import Expect, KVExport, tokenizer_fingerprint
-    from edgekv.models import load_model
+    from edgekv.kv.compress_job import CompressConfig, run_compress
+    from edgekv.kv.decode import decode_layer, edge_kv
+    from edgekv.kv.export import Expect, KVExport, tokenizer_fingerprint
+    from edgekv.models.loading import load_model
 
     out = tmp_path / "kv"
     prompt = ("You are a careful assistant for a small electronics shop. Answer briefly, cite the return policy "

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from edgekv.compress import CompressConfig, run_compress
-from edgekv.models import load_model
-from edgekv.serving import EdgeSession, SamplingParams
+from edgekv.kv.compress_job import CompressConfig, run_compress
+from edgekv.models.loading import load_model
+from edgekv.serve.session import EdgeSession, SamplingParams
 
 pytestmark = pytest.mark.slow
 

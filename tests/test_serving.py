@@ -14,12 +14,12 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from edgekv import EdgeKVError
-from edgekv.compress import CompressConfig, run_compress
-from edgekv.kvstore import KVStoreError
-from edgekv.models import load_model
-from edgekv.pipeline import Link, overlap_efficiency, predict_ttft
-from edgekv.server import EdgeServer, parse_request, percentile
-from edgekv.serving import EdgeSession, SamplingParams, pick_token, prefix_kv
+from edgekv.kv.compress_job import CompressConfig, run_compress
+from edgekv.kv.export import KVStoreError
+from edgekv.models.loading import load_model
+from edgekv.serve.http_server import EdgeServer, parse_request, percentile
+from edgekv.serve.pipeline import Link, overlap_efficiency, predict_ttft
+from edgekv.serve.session import EdgeSession, SamplingParams, pick_token, prefix_kv
 from tests.conftest import _save, byte_tokenizer, tiny_qwen2
 
 runner = CliRunner()

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from edgekv.similarity import PROPERTIES, cka_matrices, debiased_cka, linear_cka, massive_rows, rsa, rsa_matrix
+from edgekv.align.similarity import PROPERTIES, cka_matrices, debiased_cka, linear_cka, massive_rows, rsa, rsa_matrix
 
 MEASURES = {"linear_cka": linear_cka, "debiased_cka": debiased_cka, "rsa": rsa}
 

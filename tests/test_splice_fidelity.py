@@ -5,11 +5,13 @@ import copy
 import pytest
 import torch
 
-from edgekv.capture import capture
-from edgekv.fidelity import HeldOutText, evaluate_text, summarize
-from edgekv.kvmap import HiddenTranslator, RidgeMap, RidgeTranslator, kv_from_hidden
-from edgekv.models import load_model
-from edgekv.splice import merge_attention, splice_layers
+from edgekv.attention.merge import merge_attention
+from edgekv.attention.splice import splice_layers
+from edgekv.eval.fidelity import evaluate_text, summarize
+from edgekv.kv.translators import HiddenTranslator, RidgeMap, RidgeTranslator, kv_from_hidden
+from edgekv.models.capture import capture
+from edgekv.models.loading import load_model
+from edgekv.texts import HeldOutText
 from tests.conftest import tiny_qwen2
 
 
@@ -93,7 +95,7 @@ def test_fidelity_harness_on_tiny_pair(tiny_models, calib_file):
 
 
 def test_paired_delta():
-    from edgekv.fidelity import paired_delta
+    from edgekv.eval.fidelity import paired_delta
 
     rows = [{"text": t, "source": "s", "condition": c, "m": m, "nll": v}
             for t, (e, x) in enumerate([(1.0, 1.5), (3.0, 3.1), (2.0, 2.2)])

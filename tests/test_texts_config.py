@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from edgekv import EdgeKVError
-from edgekv.align import AlignConfig
+from edgekv.align.align_job import AlignConfig
 from edgekv.config import load_config
 from edgekv.texts import iter_json_array, iter_sharegpt, load_text_file, render_conversation, sharegpt_texts
 

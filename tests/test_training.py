@@ -2,11 +2,11 @@
 
 import torch
 
-from edgekv.capture import capture
-from edgekv.fidelity import HeldOutText
-from edgekv.kvmap import HiddenTranslator, TrainedTranslator
-from edgekv.models import load_model
-from edgekv.training import kl_loss, prepare, train
+from edgekv.kv.training import kl_loss, prepare, train
+from edgekv.kv.translators import HiddenTranslator, TrainedTranslator
+from edgekv.models.capture import capture
+from edgekv.models.loading import load_model
+from edgekv.texts import HeldOutText
 from tests.conftest import _save, byte_tokenizer, tiny_qwen2
 
 

@@ -8,12 +8,12 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from edgekv import EdgeKVError
-from edgekv.capture import capture
-from edgekv.compress import CompressConfig, run_compress
-from edgekv.kvload import decode_layer, edge_kv
-from edgekv.kvmap import TRANSLATORS, TrainedTranslator, load_translator, save_translator
-from edgekv.kvstore import KVExport, KVStoreError
-from edgekv.models import load_model
+from edgekv.kv.compress_job import CompressConfig, run_compress
+from edgekv.kv.decode import decode_layer, edge_kv
+from edgekv.kv.export import KVExport, KVStoreError
+from edgekv.kv.translators import TRANSLATORS, TrainedTranslator, load_translator, save_translator
+from edgekv.models.capture import capture
+from edgekv.models.loading import load_model
 from tests.test_compress_export import PROMPT
 
 runner = CliRunner()

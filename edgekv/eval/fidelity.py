@@ -14,43 +14,13 @@ Every condition predicts the continuation's tokens 1..C−1 (token 0 has no pred
 from __future__ import annotations
 
 import copy
-import json
 import math
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from edgekv.capture import capture
-from edgekv.splice import splice_layers
-
-
-@dataclass
-class HeldOutText:
-    """A prefix and its continuation, token ids."""
-
-    source: str
-    prefix: torch.Tensor
-    continuation: torch.Tensor
-
-
-def split_texts(tokenizer, texts: list[str], source: str, prefix_tokens: int, cont_tokens: int,
-                limit: int) -> list[HeldOutText]:
-    """The first `limit` texts long enough for prefix + continuation, cut to exactly those lengths."""
-    out = []
-    for text in texts:
-        ids = tokenizer(text)["input_ids"]
-        if len(ids) >= prefix_tokens + cont_tokens:
-            ids = torch.tensor(ids[: prefix_tokens + cont_tokens])
-            out.append(HeldOutText(source, ids[:prefix_tokens], ids[prefix_tokens:]))
-            if len(out) == limit:
-                break
-    return out
-
-
-def xsum_documents(path: str | Path) -> list[str]:
-    """Documents of the XSum JSONL sample."""
-    return [json.loads(line)["document"] for line in Path(path).read_text().splitlines() if line.strip()]
+from edgekv.attention.splice import splice_layers
+from edgekv.models.capture import capture
+from edgekv.texts import HeldOutText
 
 
 def _nll_top1(logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor]:

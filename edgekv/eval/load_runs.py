@@ -14,8 +14,8 @@ import time
 import urllib.error
 import urllib.request
 
-from edgekv.server import EdgeServer
-from edgekv.serving import EdgeSession
+from edgekv.serve.http_server import EdgeServer
+from edgekv.serve.session import EdgeSession
 
 
 def post_json(url: str, body: bytes, timeout: float) -> tuple[int, dict]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from edgekv import EdgeKVError
-from edgekv.capture import apply_rotary, attn_shape, decoder_layers, split_heads
+from edgekv.models.structure import apply_rotary, attn_shape, decoder_layers, split_heads
 
 ALPHAS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # relative to the mean eigenvalue of XᵀX
 

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from edgekv.capture import merge_heads
-from edgekv.kvstore import KVExport, KVStoreError
-from edgekv.pruning import PrunedKeys
-from edgekv.quant import Quantized, dequantize
+from edgekv.kv.codecs import Quantized, dequantize
+from edgekv.kv.export import KVExport, KVStoreError
+from edgekv.kv.pruning import PrunedKeys
+from edgekv.models.structure import merge_heads
 
 SPACES = ("edge", "cloud-unrotated", "cloud-hidden")
 

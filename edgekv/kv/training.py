@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from edgekv.capture import capture
-from edgekv.fidelity import HeldOutText
-from edgekv.kvmap import TrainedTranslator, kv_from_hidden, load_translator, save_translator
-from edgekv.splice import splice_layers
+from edgekv.attention.splice import splice_layers
+from edgekv.kv.translators import TrainedTranslator, kv_from_hidden, load_translator, save_translator
+from edgekv.models.capture import capture
+from edgekv.texts import HeldOutText
 
 
 @dataclass

@@ -264,7 +264,7 @@ class KVExport:
     def translator(self):
         """The translator the edge applies (map_location "edge"), checked against this export's model pair; None
         when the KV is already edge-shaped."""
-        from edgekv.kvmap import TRANSLATOR_CONFIG, TRANSLATOR_TENSORS, translator_from_files
+        from edgekv.kv.translators import TRANSLATOR_CONFIG, TRANSLATOR_TENSORS, translator_from_files
 
         info = self.manifest.get("translator")
         if not info or info.get("applied_on") != "edge":

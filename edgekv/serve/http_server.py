@@ -15,7 +15,7 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from edgekv import EdgeKVError
-from edgekv.serving import Completion, EdgeSession, SamplingParams
+from edgekv.serve.session import Completion, EdgeSession, SamplingParams
 
 log = logging.getLogger("edgekv")
 

@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from edgekv import EdgeKVError
-from edgekv.kvload import decode_tensors, edge_kv
-from edgekv.kvstore import KVExport
+from edgekv.kv.decode import decode_tensors, edge_kv
+from edgekv.kv.export import KVExport
 
 log = logging.getLogger("edgekv")
 KVPair = tuple[torch.Tensor, torch.Tensor]
@@ -124,7 +124,7 @@ class LayerLoader:
         translator = None
         try:
             if self.export.manifest.get("translator", {}).get("applied_on") == "edge":
-                from edgekv.kvmap import TRANSLATOR_CONFIG, TRANSLATOR_TENSORS, translator_from_files
+                from edgekv.kv.translators import TRANSLATOR_CONFIG, TRANSLATOR_TENSORS, translator_from_files
 
                 files = {}
                 for name in (TRANSLATOR_TENSORS, TRANSLATOR_CONFIG):

@@ -17,10 +17,13 @@ from pathlib import Path
 import torch
 
 from edgekv import EdgeKVError
+from edgekv.align.mapping import MappingParams, build_mapping
 from edgekv.atomic import write_text_atomic
-from edgekv.capture import attn_shape, capture, rotary_cos_sin, split_heads
 from edgekv.config import command_config, to_dict
-from edgekv.kvmap import (
+from edgekv.kv.codecs import SCHEMES, Quantized, dequantize, quantize
+from edgekv.kv.export import sha256_bytes, token_ids_sha256, tokenizer_fingerprint, write_export
+from edgekv.kv.pruning import attention_error, check_ratio, prune_keys, think_scores, think_select
+from edgekv.kv.translators import (
     TRANSLATOR_CONFIG,
     TRANSLATOR_TENSORS,
     TRANSLATORS,
@@ -29,13 +32,11 @@ from edgekv.kvmap import (
     split_by_text,
     translator_files,
 )
-from edgekv.kvstore import sha256_bytes, token_ids_sha256, tokenizer_fingerprint, write_export
-from edgekv.mapping import MappingParams, build_mapping
-from edgekv.models import DTYPES, LoadedModel, check_tokenizers, load_model
-from edgekv.pruning import attention_error, check_ratio, prune_keys, think_scores, think_select
-from edgekv.quant import SCHEMES, Quantized, dequantize, quantize
-from edgekv.steps import Steps
-from edgekv.texts import load_text_file, sharegpt_texts
+from edgekv.models.capture import capture
+from edgekv.models.loading import DTYPES, LoadedModel, check_tokenizers, load_model
+from edgekv.models.structure import attn_shape, rotary_cos_sin, split_heads
+from edgekv.progress import Steps
+from edgekv.texts import load_text_file, read_system_prompt, sharegpt_texts
 
 
 @command_config("compress")
@@ -56,7 +57,7 @@ class CompressConfig:
     keep_recent: int = 0
     quant: str = "fp16"
     map_on: str = "cloud"
-    translator: str = "ridge"  # ridge | hidden | trained (see kvmap.TRANSLATORS)
+    translator: str = "ridge"  # ridge | hidden | trained (see translators.TRANSLATORS)
     translator_path: str | None = None  # a saved translator (required for trained); None: fit on calibration
     local_sink_tokens: int = 1  # the edge computes the first s system-prompt tokens' deep KV itself
     calib: str | None = None  # calibration texts for the maps; None: ShareGPT
@@ -94,21 +95,6 @@ class CompressConfig:
             raise EdgeKVError("--calib-texts must be ≥ 3 and --calib-tokens ≥ 2 (maps need train/validation/test)")
         if self.start_layer is not None and self.start_layer < 0:
             raise EdgeKVError(f"--start-layer must be ≥ 0, got {self.start_layer}")
-
-
-def read_system_prompt(value: str) -> str:
-    """TEXT, or @PATH of a UTF-8 file; refuses an empty prompt."""
-    if value.startswith("@"):
-        path = Path(value[1:])
-        if not path.is_file():
-            raise EdgeKVError(f"system prompt file not found: {path}")
-        try:
-            value = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise EdgeKVError(f"{path}: not UTF-8 text") from exc
-    if not value.strip():
-        raise EdgeKVError("the system prompt is empty")
-    return value
 
 
 # ---------------------------------------------------------------------------------------------- encoding
@@ -215,7 +201,7 @@ def same_model_layers(model: LoadedModel, ids: torch.Tensor, start: int, window:
 
 
 def _calibration(cfg: CompressConfig, tokenizer) -> list[torch.Tensor]:
-    from edgekv.align import tokenize
+    from edgekv.align.align_job import tokenize
 
     source = (load_text_file(cfg.calib) if cfg.calib else
               sharegpt_texts(cfg.calib_texts, offset=cfg.calib_offset))

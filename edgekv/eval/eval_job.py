@@ -21,17 +21,17 @@ from pathlib import Path
 import torch
 
 from edgekv import EdgeKVError
+from edgekv.align.mapping import STRATEGIES as MAPPINGS
 from edgekv.atomic import write_text_atomic
-from edgekv.compress import CompressConfig, _calibration, get_translator, resolve_pairs, run_compress
 from edgekv.config import command_config, to_dict
-from edgekv.datasets import DATASETS, Request, load_requests
-from edgekv.kvmap import TRANSLATORS, save_translator
-from edgekv.mapping import STRATEGIES as MAPPINGS
-from edgekv.metrics import BertScore, option_choice, rouge_l, upload_ratio
-from edgekv.models import DTYPES, LoadedModel, check_tokenizers, load_model
-from edgekv.pipeline import Link
-from edgekv.serving import EdgeSession, SamplingParams
-from edgekv.steps import Steps
+from edgekv.eval.datasets import DATASETS, Request, load_requests
+from edgekv.eval.metrics import BertScore, option_choice, rouge_l, upload_ratio
+from edgekv.kv.compress_job import CompressConfig, _calibration, get_translator, resolve_pairs, run_compress
+from edgekv.kv.translators import TRANSLATORS, save_translator
+from edgekv.models.loading import DTYPES, LoadedModel, check_tokenizers, load_model
+from edgekv.progress import Steps
+from edgekv.serve.pipeline import Link
+from edgekv.serve.session import EdgeSession, SamplingParams
 
 log = logging.getLogger("edgekv")
 BASE_STRATEGIES = ("cloud-only", "edge-only", "edgeprompt", "ce-lslm")
@@ -141,7 +141,7 @@ class Runner:
         """mapping.json for the similarity mapping (align's output, made if missing) or a baseline variant."""
         align_dir = Path(self.cfg.align_dir)
         if not (align_dir / "mapping.json").exists():
-            from edgekv.align import AlignConfig, run_align
+            from edgekv.align.align_job import AlignConfig, run_align
             from edgekv.config import load_config
 
             log.info("no %s/mapping.json: running `edgekv align` first", align_dir)
@@ -149,7 +149,7 @@ class Runner:
             run_align(acfg, self.steps.progress)
         if variant in ("", "similarity"):
             return str(align_dir / "mapping.json")
-        from edgekv.mapping import MappingParams, build_mapping
+        from edgekv.align.mapping import MappingParams, build_mapping
 
         sim = json.loads((align_dir / "similarity.json").read_text())
         base = json.loads((align_dir / "mapping.json").read_text())
@@ -306,7 +306,7 @@ def check_resumable(out: Path, cfg: EvalConfig) -> None:
 
 def run_eval(cfg: EvalConfig, progress=None, models=None) -> dict:
     """Run (resuming), then write summary.csv, report.md, plots and config.json into cfg.out."""
-    from edgekv.report import write_report
+    from edgekv.eval.report import write_report
 
     cfg.validate()
     out = Path(cfg.out)
@@ -347,8 +347,8 @@ def run_eval(cfg: EvalConfig, progress=None, models=None) -> dict:
 
 
 def load_curves(runner: Runner, requests: list[Request], steps: Steps) -> list[dict]:
-    """Poisson load runs per strategy and rate (see loadrun.py)."""
-    from edgekv.loadrun import poisson_run, summarize_load
+    """Poisson load runs per strategy and rate (see load_runs.py)."""
+    from edgekv.eval.load_runs import poisson_run, summarize_load
 
     cfg = runner.cfg
     advance = steps.task("load runs", len(cfg.strategies) * len(cfg.load_rates))

@@ -12,14 +12,14 @@ from pathlib import Path
 import torch
 
 from edgekv import EdgeKVError
+from edgekv.align.mapping import STRATEGIES, MappingParams, build_mapping
+from edgekv.align.similarity import cka_matrices, massive_rows, rsa_matrix, subsample_rows
 from edgekv.atomic import staged_dir
-from edgekv.capture import FEATURES, capture
 from edgekv.config import command_config, to_dict
-from edgekv.mapping import STRATEGIES, MappingParams, build_mapping
-from edgekv.models import DTYPES, check_tokenizers, load_model, load_tokenizer, num_layers
+from edgekv.models.capture import FEATURES, capture
+from edgekv.models.loading import DTYPES, check_tokenizers, load_model, load_tokenizer, num_layers
 from edgekv.plots import similarity_heatmap
-from edgekv.similarity import cka_matrices, massive_rows, rsa_matrix, subsample_rows
-from edgekv.steps import Steps
+from edgekv.progress import Steps
 from edgekv.texts import TextSource, load_text_file, sharegpt_texts
 
 METRICS = ("linear_cka", "debiased_cka", "rsa")

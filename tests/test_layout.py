@@ -1,0 +1,94 @@
+"""The package layout: one folder per stage of the data flow, imports only towards earlier stages."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "edgekv"
+# text → models → attention → align → kv → serve → eval (edgekv/__init__.py says it in words)
+STAGES = {"models": 1, "attention": 2, "align": 3, "kv": 4, "serve": 5, "eval": 6}
+HELPERS = {"__init__", "atomic", "config", "progress", "plots", "texts"}  # shared, rank 0
+REEXPORTS = {"similarity", "pruning"}  # former public paths, for callers outside the project
+
+
+def rank(module: str) -> int | None:
+    """Stage rank of an `edgekv...` module name (None for a re-export shim)."""
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] in HELPERS:
+        return 0
+    if parts[1] in REEXPORTS:
+        return None
+    if parts[1] not in STAGES:
+        raise AssertionError(f"{module}: not in a known stage; add the stage to STAGES and the package docstring")
+    return STAGES[parts[1]]
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported(source: str) -> list[str]:
+    """Every edgekv module a source imports, at top level or inside functions."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.split(".")[0] == "edgekv":
+                out.append(node.module)
+        elif isinstance(node, ast.Import):
+            out += [a.name for a in node.names if a.name.split(".")[0] == "edgekv"]
+    return out
+
+
+def violations(module: str, source: str) -> list[str]:
+    """Imports of `module` that go against the flow (a later stage, or a re-export shim)."""
+    own = rank(module)
+    bad = []
+    for target in imported(source):
+        r = rank(target)
+        if r is None:
+            bad.append(f"{module} imports the re-export {target}; import the stage module")
+        elif own is not None and r > own:
+            bad.append(f"{module} (stage {own}) imports {target} (stage {r})")
+    return bad
+
+
+def test_checker_catches_a_backward_import():
+    assert violations("edgekv.kv.decode", "def f():\n    from edgekv.serve.session import EdgeSession\n")
+    assert violations("edgekv.align.mapping", "import edgekv.eval.report\n")
+    assert violations("edgekv.models.capture", "from edgekv.similarity import linear_cka\n")
+    assert not violations("edgekv.eval.report", "from edgekv.kv.export import KVExport\nfrom edgekv import X\n")
+
+
+def test_imports_follow_the_data_flow():
+    bad = []
+    for path in sorted(ROOT.rglob("*.py")):
+        bad += violations(module_name(path), path.read_text(encoding="utf-8"))
+    assert not bad, "\n".join(bad)
+
+
+def test_every_stage_is_a_folder_with_a_docstring_and_few_top_modules():
+    top = sorted(p.stem for p in ROOT.glob("*.py"))
+    assert len(top) <= 10, top
+    assert set(top) == HELPERS | REEXPORTS
+    folders = sorted(p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith("__"))
+    assert folders == sorted(STAGES)
+    for stage in STAGES:
+        doc = ast.get_docstring(ast.parse((ROOT / stage / "__init__.py").read_text()))
+        assert doc and "import" in doc, f"edgekv/{stage}/__init__.py must say what it may import"
+
+
+@pytest.mark.parametrize("path,names", [
+    ("edgekv.similarity", ["linear_cka", "debiased_cka", "rsa"]),
+    ("edgekv.pruning", ["think_scores", "think_select"]),
+])
+def test_former_public_paths_still_import(path, names):
+    module = importlib.import_module(path)
+    stage = importlib.import_module(path.replace("edgekv.", "edgekv.align." if "similarity" in path else "edgekv.kv."))
+    for name in names:
+        assert getattr(module, name) is getattr(stage, name)
