@@ -103,7 +103,7 @@ def _load(path: Path, translator: TrainedTranslator, opt: torch.optim.Optimizer)
     return progress["step"], progress["log"]
 
 
-def _example_index(step: int, n: int, seed: int) -> int:
+def example_index(step: int, n: int, seed: int) -> int:
     """A fresh seeded permutation per epoch: the order of step s never depends on how many steps are asked for."""
     epoch = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + step // n))
     return int(epoch[step % n])
@@ -123,7 +123,7 @@ def train(edge, translator: TrainedTranslator, examples: list[TrainExample], m: 
     opt = torch.optim.Adam(params, lr=lr)
     start, log = _load(Path(checkpoint), translator, opt) if checkpoint else (0, [])
     for step in range(start, steps):
-        ex = examples[_example_index(step, len(examples), seed)]
+        ex = examples[example_index(step, len(examples), seed)]
         loss = kl_loss(edge, translator, ex, m, sink)
         opt.zero_grad()
         loss.backward()

@@ -266,6 +266,8 @@ def translator_from_files(files: dict[str, bytes], where: str, cloud_fingerprint
     """Rebuild a translator from its two files; refuses one made for another model pair, or altered bytes."""
     from safetensors.torch import load as st_load
 
+    from edgekv.kv import fusers  # noqa: F401  (registers the fuse-* translators)
+
     try:
         config = json.loads(files[TRANSLATOR_CONFIG].decode("utf-8"))
         blob = files[TRANSLATOR_TENSORS]

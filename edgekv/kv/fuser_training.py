@@ -1,0 +1,234 @@
+"""Training a fuser's gates through the frozen edge, and choosing its per-layer hard gates on held-out text.
+
+Target: the cloud's next-token distribution on each text's continuation (top-k log-probs plus the tail's mass,
+an exact KL over the k+1 outcomes {top-k ids, everything else}), optionally plus cross-entropy on the text.
+The expensive inputs — the edge's own prefix KV, the translated cloud KV and the cloud's top-k — are computed
+once per text and cached on disk as safetensors keyed by a hash of everything they depend on, so epochs and
+resumed runs never rerun the cloud. Seeded order, resumable (safetensors state + JSON log), held-out curve.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import DynamicCache
+
+from edgekv.attention.fuse import enable_fusion
+from edgekv.kv.fusers import BiasFuser
+from edgekv.kv.training import example_index
+from edgekv.kv.translators import save_translator
+from edgekv.models.capture import capture
+from edgekv.texts import HeldOutText
+
+KVPair = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class FuseExample:
+    """Cached inputs of one text: own and translated KV of its prefix, the cloud's top-k on its continuation."""
+
+    prefix: torch.Tensor
+    continuation: torch.Tensor
+    own: list[KVPair]  # every edge layer, (kv_heads, P, d)
+    cloud: dict[int, KVPair]  # mapped edge layers, (kv_heads, P, d)
+    top_ids: torch.Tensor  # (C−1, k)
+    top_logp: torch.Tensor  # (C−1, k) the cloud's log-probs of those ids
+
+
+def _maps_digest(fuser: BiasFuser, pair: tuple[str, str], top_k: int) -> str:
+    """What cached features depend on besides the text: the model pair, k and the maps (never the gates)."""
+    layers = {str(i): fuser.info[i]["cloud_layer"] for i in sorted(fuser.info)}
+    h = hashlib.sha256(json.dumps({"pair": pair, "k": top_k, "layers": layers}).encode())
+    for name, t in sorted(fuser.tensors().items()):
+        if not name.endswith("gate_bias"):
+            h.update(name.encode() + t.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _key(text: HeldOutText, digest: str) -> str:
+    h = hashlib.sha256(digest.encode())
+    h.update(text.prefix.numpy().tobytes() + b"|" + text.continuation.numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+@torch.no_grad()
+def _compute(edge, cloud, text: HeldOutText, fuser: BiasFuser, top_k: int) -> dict[str, torch.Tensor]:
+    full = torch.cat([text.prefix, text.continuation])
+    p = text.prefix.numel()
+    seen = []
+    acts = capture(cloud.model, [full], fuser.features, select=lambda t, n: torch.arange(p),
+                   on_output=lambda t, out: seen.append(out.logits[0, p:-1]))
+    top_logp, top_ids = torch.log_softmax(seen[0].float(), -1).topk(top_k, dim=-1)
+    cache = edge.model(text.prefix[None], use_cache=True).past_key_values
+    out = {"prefix": text.prefix, "continuation": text.continuation, "top_ids": top_ids, "top_logp": top_logp}
+    for i, layer in enumerate(cache.layers):
+        out[f"own.{i}.k"], out[f"own.{i}.v"] = layer.keys[0], layer.values[0]
+    for i, (k, v) in fuser.translate(acts, edge.model, sorted(fuser.info)).items():
+        out[f"cloud.{i}.k"], out[f"cloud.{i}.v"] = k.to(edge.model.dtype), v.to(edge.model.dtype)
+    return {name: t.contiguous() for name, t in out.items()}
+
+
+def _example(t: dict[str, torch.Tensor]) -> FuseExample:
+    own_layers = sorted({int(n.split(".")[1]) for n in t if n.startswith("own.")})
+    cloud_layers = sorted({int(n.split(".")[1]) for n in t if n.startswith("cloud.")})
+    return FuseExample(t["prefix"], t["continuation"], [(t[f"own.{i}.k"], t[f"own.{i}.v"]) for i in own_layers],
+                       {i: (t[f"cloud.{i}.k"], t[f"cloud.{i}.v"]) for i in cloud_layers}, t["top_ids"], t["top_logp"])
+
+
+def prepare(edge, cloud, texts: list[HeldOutText], fuser: BiasFuser, pair: tuple[str, str], top_k: int = 64,
+            cache_dir: str | Path | None = None, on_text: Callable[[int], None] | None = None) -> list[FuseExample]:
+    """One FuseExample per text, read from `cache_dir` when computed before (atomic safetensors per text)."""
+    digest = _maps_digest(fuser, pair, top_k) if cache_dir else ""
+    out = []
+    for n, text in enumerate(texts):
+        path = Path(cache_dir) / f"{_key(text, digest)}.safetensors" if cache_dir else None
+        if path is not None and path.exists():
+            tensors = load_file(str(path))
+        else:
+            tensors = _compute(edge, cloud, text, fuser, top_k)
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(".tmp")
+                save_file(tensors, str(tmp))
+                tmp.replace(path)
+        out.append(_example(tensors))
+        if on_text:
+            on_text(n + 1)
+    return out
+
+
+def fused_logits(edge, fuser: BiasFuser, ex: FuseExample, layers: list[int] | None = None) -> torch.Tensor:
+    """Edge logits predicting continuation tokens 1..C−1 over its own prefix KV plus the cloud segments of
+    `layers` (default: the open hard gates); differentiable in the gate biases."""
+    enable_fusion(edge.model)
+    cache = DynamicCache()
+    with torch.no_grad():
+        for i, (k, v) in enumerate(ex.own):
+            cache.update(k[None], v[None], i)
+    p = ex.prefix.numel()
+    positions = torch.arange(p, p + ex.continuation.numel() - 1)[None]
+    return edge.model(input_ids=ex.continuation[None, :-1], past_key_values=cache, position_ids=positions,
+                      cloud_segments=fuser.segments(ex.cloud, layers)).logits[0]
+
+
+def topk_kl(logits: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor) -> torch.Tensor:
+    """Mean over positions of KL(cloud ‖ edge) over the outcomes {each of the cloud's top-k ids, the rest}."""
+    logq = torch.log_softmax(logits.float(), -1)
+    q_top = logq.gather(-1, top_ids)
+    q_rest = torch.logsumexp(logq.scatter(-1, top_ids, float("-inf")), -1)
+    p_rest_mass = (1 - top_logp.exp().sum(-1)).clamp_min(1e-12)
+    kl = (top_logp.exp() * (top_logp - q_top)).sum(-1) + p_rest_mass * (p_rest_mass.log() - q_rest)
+    return kl.mean()
+
+
+def nll(logits: torch.Tensor, ex: FuseExample) -> torch.Tensor:
+    """Mean NLL of continuation tokens 1..C−1."""
+    return torch.nn.functional.cross_entropy(logits.float(), ex.continuation[1:])
+
+
+def loss(edge, fuser: BiasFuser, ex: FuseExample, ce_weight: float = 0.0) -> torch.Tensor:
+    """Training loss of one text with every trained gate in play."""
+    logits = fused_logits(edge, fuser, ex, sorted(fuser.gate_bias))
+    out = topk_kl(logits, ex.top_ids, ex.top_logp)
+    return out + ce_weight * nll(logits, ex) if ce_weight else out
+
+
+@torch.no_grad()
+def evaluate(edge, fuser: BiasFuser, examples: list[FuseExample], layers: list[int] | None) -> dict[str, float]:
+    """Mean top-k KL to the cloud and NLL of the text over `examples` with the segments of `layers`."""
+    kl, nl = [], []
+    for ex in examples:
+        logits = fused_logits(edge, fuser, ex, layers)
+        kl.append(float(topk_kl(logits, ex.top_ids, ex.top_logp)))
+        nl.append(float(nll(logits, ex)))
+    return {"kl": sum(kl) / len(kl), "nll": sum(nl) / len(nl)}
+
+
+def _save(path: Path, fuser: BiasFuser, opt: torch.optim.Optimizer, step: int, log: list, pair) -> None:
+    tensors = {f"gate.{i}": b.detach().clone().contiguous() for i, b in fuser.gate_bias.items()}
+    for n, p in enumerate(fuser.parameters()):
+        for k, v in opt.state.get(p, {}).items():
+            if torch.is_tensor(v):
+                tensors[f"opt.{n}.{k}"] = v.detach().reshape(v.shape).contiguous().clone()
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "state.safetensors.tmp"))
+    (path / "state.safetensors.tmp").replace(path / "state.safetensors")
+    save_translator(fuser, path, *pair)
+    (path / "progress.json.tmp").write_text(json.dumps({"step": step, "log": log}))
+    (path / "progress.json.tmp").replace(path / "progress.json")
+
+
+def _load(path: Path, fuser: BiasFuser, opt: torch.optim.Optimizer) -> tuple[int, list]:
+    if not (path / "progress.json").exists():
+        return 0, []
+    tensors = load_file(str(path / "state.safetensors"))
+    with torch.no_grad():
+        for i, b in fuser.gate_bias.items():
+            b.copy_(tensors[f"gate.{i}"])
+    for n, p in enumerate(fuser.parameters()):
+        state = {k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"opt.{n}.")}
+        if state:
+            opt.state[p] = {k: (v if k != "step" else v.reshape(())) for k, v in state.items()}
+    progress = json.loads((path / "progress.json").read_text())
+    return progress["step"], progress["log"]
+
+
+def train(edge, fuser: BiasFuser, examples: list[FuseExample], held_out: list[FuseExample], steps: int,
+          lr: float = 0.05, ce_weight: float = 0.0, seed: int = 0, checkpoint: str | Path | None = None,
+          every: int = 25, on_step=None, stop=None, pair: tuple[str | None, str | None] = (None, None)) -> list[dict]:
+    """Adam on the gate biases, one text per step in a seeded order; held-out KL/NLL every `every` steps and at
+    the end; resumes from `checkpoint`; `stop(step)` may end early. Every model weight stays frozen."""
+    for p in edge.model.parameters():
+        p.requires_grad_(False)
+    params = fuser.parameters()
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(params, lr=lr)
+    start, log = _load(Path(checkpoint), fuser, opt) if checkpoint else (0, [])
+    if start == 0 and held_out:
+        log.append({"step": 0, **{f"held_out_{k}": v for k, v in evaluate(edge, fuser, held_out, None).items()}})
+    for step in range(start, steps):
+        ex = examples[example_index(step, len(examples), seed)]
+        value = loss(edge, fuser, ex, ce_weight)
+        opt.zero_grad()
+        value.backward()
+        opt.step()
+        entry = {"step": step + 1, "train_loss": float(value.detach())}
+        done = step + 1 == steps or (stop is not None and stop(step + 1))
+        if held_out and ((step + 1) % every == 0 or done):
+            entry.update({f"held_out_{k}": v for k, v in
+                          evaluate(edge, fuser, held_out, sorted(fuser.gate_bias)).items()})
+        log.append(entry)
+        if on_step:
+            on_step(step + 1, entry)
+        if checkpoint and ((step + 1) % every == 0 or done):
+            _save(Path(checkpoint), fuser, opt, step + 1, log, pair)
+        if done:
+            break
+    for p in params:
+        p.requires_grad_(False)
+    return log
+
+
+@torch.no_grad()
+def choose_gates(edge, fuser: BiasFuser, held_out: list[FuseExample], margin: float = 0.0) -> dict:
+    """Hard gates by held-out NLL of the text: from all trained layers open, close each layer whose closing
+    (leave-one-out) lowers the NLL; keep the result only if it beats every gate closed by more than `margin`
+    nats/token, else close all. Sets `fuser`'s open layers; returns the evidence."""
+    layers = sorted(fuser.gate_bias)
+    closed = evaluate(edge, fuser, held_out, [])["nll"]
+    everything = evaluate(edge, fuser, held_out, layers)["nll"]
+    loo = {i: evaluate(edge, fuser, held_out, [j for j in layers if j != i])["nll"] for i in layers}
+    chosen = [i for i in layers if loo[i] >= everything]
+    chosen_nll = evaluate(edge, fuser, held_out, chosen)["nll"] if chosen else closed
+    if chosen_nll > closed - margin:
+        chosen, chosen_nll = [], closed
+    fuser.set_open(chosen)
+    return {"closed_nll": closed, "all_open_nll": everything, "leave_one_out_nll": {str(i): v for i, v in loo.items()},
+            "open": chosen, "chosen_nll": chosen_nll, "texts": len(held_out)}

@@ -1,0 +1,135 @@
+"""Fusion (issue 12): the biased two-segment merge is one softmax, closed gates are the edge alone, the fuser
+saves and loads exactly (and only for its model pair), training its gates lowers held-out KL, resume is exact."""
+
+import pytest
+import torch
+
+from edgekv import EdgeKVError
+from edgekv.attention.merge import merge_attention, segment_attention
+from edgekv.kv.fuser_training import choose_gates, evaluate, fused_logits, prepare, train
+from edgekv.kv.fusers import BiasFuser
+from edgekv.kv.translators import HiddenTranslator, load_translator, save_translator
+from edgekv.models.capture import capture
+from edgekv.models.loading import load_model
+from edgekv.texts import HeldOutText
+from tests.conftest import _save, byte_tokenizer, tiny_qwen2
+
+
+def _qkv(seed, heads=4, kv_heads=2, t=5, s_a=7, s_b=6, d=8):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, heads, t, d, generator=g, dtype=torch.float64)
+    k = torch.randn(1, kv_heads, s_a + s_b, d, generator=g, dtype=torch.float64)
+    v = torch.randn(1, kv_heads, s_a + s_b, d, generator=g, dtype=torch.float64)
+    return q, k, v, s_a
+
+
+def _one_softmax(q, k, v, logit_bias):
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5 + logit_bias
+    return torch.softmax(scores, -1) @ v
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_unbiased_merge_is_one_softmax_over_both_segments(seed):
+    q, k, v, s_a = _qkv(seed)
+    o_a, l_a = segment_attention(q, k[:, :, :s_a], v[:, :, :s_a])
+    o_b, l_b = segment_attention(q, k[:, :, s_a:], v[:, :, s_a:])
+    full = _one_softmax(q, k, v, torch.zeros(k.shape[2], dtype=torch.float64))
+    assert (merge_attention(o_a, l_a, o_b, l_b, 0.0) - full).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_bias_equals_adding_it_to_the_second_segments_logits(seed):
+    q, k, v, s_a = _qkv(seed)
+    heads, kv_heads = q.shape[1], k.shape[1]
+    bias = torch.tensor([-1.5, 2.0], dtype=torch.float64)[:kv_heads]  # one per KV head
+    o_a, l_a = segment_attention(q, k[:, :, :s_a], v[:, :, :s_a])
+    o_b, l_b = segment_attention(q, k[:, :, s_a:], v[:, :, s_a:])
+    per_head = bias.repeat_interleave(heads // kv_heads)[None, :, None]
+    logit_bias = torch.cat([torch.zeros(heads, 1, s_a, dtype=torch.float64),
+                            per_head[0, :, :, None].expand(heads, 1, k.shape[2] - s_a)], -1)[None]
+    expected = _one_softmax(q, k, v, logit_bias)
+    assert (merge_attention(o_a, l_a, o_b, l_b, per_head) - expected).abs().max() < 1e-10
+    shut = merge_attention(o_a, l_a, o_b, l_b, float("-inf"))
+    assert (shut - o_a).abs().max() < 1e-12  # −inf: the second segment is out, exactly
+
+
+def test_causal_segment_attention_aligns_queries_with_the_last_keys():
+    q, k, v, _ = _qkv(0, t=4, s_a=6, s_b=0)
+    out, _ = segment_attention(q, k, v, causal=True)
+    visible = torch.arange(6)[None, :] <= torch.arange(2, 6)[:, None]
+    masked, _ = segment_attention(q, k, v, mask=visible[None, None])
+    assert torch.equal(out, masked)
+
+
+def _pair(tmp_path, calib_file):
+    # initializer_range 0.2: at the usual 0.02 a random tiny model's outputs barely depend on its deep KV
+    cloud_dir = _save(tiny_qwen2(4, 64, 4, 2, seed=1, init=0.2), byte_tokenizer(), tmp_path / "cloud")
+    edge_dir = _save(tiny_qwen2(3, 32, 4, 2, seed=2, init=0.2), byte_tokenizer(), tmp_path / "edge")
+    cloud, edge = load_model(cloud_dir, "float32"), load_model(edge_dir, "float32")
+    seqs = [torch.tensor(edge.tokenizer(t)["input_ids"][:70]) for t in calib_file.read_text().splitlines()]
+    hidden = HiddenTranslator().fit(capture(cloud.model, seqs, ("hidden_in",)),
+                                    capture(edge.model, seqs, ("hidden_in",)), [(1, 2), (2, 3)], edge.model)
+    texts = [HeldOutText("t", s[:40], s[40:70]) for s in seqs]
+    return cloud, edge, BiasFuser.from_hidden(hidden, edge.model), texts
+
+
+def test_closed_gates_are_the_edge_alone_and_open_gates_are_not(calib_file, tmp_path):
+    cloud, edge, fuser, texts = _pair(tmp_path, calib_file)
+    ex = prepare(edge, cloud, texts[:2], fuser, ("c", "e"), top_k=8)
+    with torch.no_grad():
+        for text, example in zip(texts[:2], ex):
+            full = torch.cat([text.prefix, text.continuation])
+            alone = edge.model(full[None]).logits[0, text.prefix.numel():-1]
+            assert fuser.open_layers() == []
+            assert (fused_logits(edge, fuser, example) - alone).abs().max() < 1e-5
+            for b in fuser.gate_bias.values():
+                b.fill_(0.0)
+            opened = fused_logits(edge, fuser, example, [1, 2])
+            assert (opened - alone).abs().max() > 1e-3  # the cloud segment does reach the logits
+            for b in fuser.gate_bias.values():
+                b.fill_(-6.0)
+
+
+def test_fuser_round_trips_exactly_and_is_refused_for_another_pair(calib_file, tmp_path):
+    _, edge, fuser, _ = _pair(tmp_path, calib_file)
+    fuser.gate_bias[1] = torch.tensor([0.25, -3.0])
+    fuser.set_open([1])
+    save_translator(fuser, tmp_path / "f", "cloud-fp", "edge-fp")
+    back = load_translator(tmp_path / "f", "cloud-fp", "edge-fp")
+    assert isinstance(back, BiasFuser) and back.open_layers() == [1]
+    for name, t in fuser.tensors().items():
+        assert torch.equal(back.tensors()[name], t), name
+    with pytest.raises(EdgeKVError, match="another edge model"):
+        load_translator(tmp_path / "f", "cloud-fp", "other-edge")
+
+
+def test_gate_training_lowers_heldout_kl_and_gates_are_chosen(calib_file, tmp_path):
+    cloud, edge, fuser, texts = _pair(tmp_path, calib_file)
+    train_ex = prepare(edge, cloud, texts[:5], fuser, ("c", "e"), top_k=16, cache_dir=tmp_path / "cache")
+    held = prepare(edge, cloud, texts[5:], fuser, ("c", "e"), top_k=16, cache_dir=tmp_path / "cache")
+    assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 6
+    before = evaluate(edge, fuser, held, [1, 2])["kl"]
+    log = train(edge, fuser, train_ex, held, steps=40, lr=0.2)
+    after = evaluate(edge, fuser, held, [1, 2])["kl"]
+    assert log[0]["step"] == 0 and log[-1]["step"] == 40 and "held_out_kl" in log[-1]
+    assert after < before - 1e-3, (before, after)
+    evidence = choose_gates(edge, fuser, held)
+    assert evidence["chosen_nll"] <= evidence["closed_nll"]
+    assert set(fuser.open_layers()) == set(evidence["open"])
+
+
+def test_gate_training_resume_is_exact(calib_file, tmp_path):
+    cloud, edge, fuser, texts = _pair(tmp_path, calib_file)
+    examples = prepare(edge, cloud, texts[:4], fuser, ("c", "e"), top_k=16)
+    fresh = lambda: BiasFuser.from_hidden(fuser, edge.model)  # noqa: E731
+    straight = fresh()
+    train(edge, straight, examples, [], steps=8, lr=0.1)
+    first = fresh()
+    train(edge, first, examples, [], steps=4, lr=0.1, checkpoint=tmp_path / "ck", every=2)
+    again = fresh()  # a fresh process: state comes from the checkpoint only
+    log = train(edge, again, examples, [], steps=8, lr=0.1, checkpoint=tmp_path / "ck", every=2)
+    assert [e["step"] for e in log] == list(range(1, 9))
+    for i in straight.gate_bias:
+        assert torch.equal(again.gate_bias[i], straight.gate_bias[i])
