@@ -2,11 +2,14 @@
 
     python bench/fidelity.py [--texts 32] [--prefix 256] [--cont 64] [--splits 0,8,12,16,20] [--sink 1]
                              [--similarity runs/align-default/similarity.json] [--out runs/fidelity]
+                             [--fusers fuse=DIR,self-fuse=DIR] [--replace hidden]
 
 Translators are fitted on ShareGPT calibration conversations (file order from 0); held-out texts are ShareGPT
 conversations from record --heldout-offset on and XSum documents (data/xsum), reported separately. Prints one
 table per source: rows = conditions, columns = split layer m, cells = mean NLL (nats/token) ± standard error
-over texts, then the same for top-1 agreement with the edge's full prefill and with the cloud.
+over texts, then the same for top-1 agreement with the edge's full prefill and with the cloud. With --fusers it
+also scores each fuser, `fuse-closed` (the fused path, every gate closed) and writes summary_ci95.json: per source
+and condition {n, delta_mean, delta_ci95} of the paired NLL difference to the edge's own prefill.
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ from rich.progress import Progress
 
 from edgekv.align.align_job import tokenize
 from edgekv.align.mapping import MappingParams, build_mapping
-from edgekv.eval.fidelity import evaluate_text, paired_delta, summarize
+from edgekv.eval.fidelity import delta_ci95, evaluate_text, paired_delta, summarize
 from edgekv.kv.training import load_trained
-from edgekv.kv.translators import TRANSLATORS
+from edgekv.kv.translators import TRANSLATORS, load_translator
 from edgekv.models.capture import capture
 from edgekv.models.loading import load_model
 from edgekv.texts import iter_sharegpt, render_conversation, sharegpt_texts, split_texts, xsum_documents
@@ -76,6 +79,9 @@ def main() -> None:
     ap.add_argument("--out", default="runs/fidelity")
     ap.add_argument("--trained", default=None,
                     help="checkpoints of bench/train_translator.py to evaluate too: PATH or NAME=PATH,NAME=PATH")
+    ap.add_argument("--fusers", default=None,
+                    help="fusers of bench/train_fuser.py: NAME=DIR,... (e.g. fuse=runs/fuser-bias-m12,self-fuse=...)")
+    ap.add_argument("--replace", default="hidden", help="the translator reported as `replace` beside the fusers")
     args = ap.parse_args()
     splits = [int(m) for m in args.splits.split(",")]
     sinks = [int(x) for x in args.sink.split(",")]
@@ -95,6 +101,15 @@ def main() -> None:
     for item in (args.trained.split(",") if args.trained else []):
         name, _, path = item.rpartition("=")
         translators[name or "trained"] = load_trained(path, cloud.fingerprint, edge.fingerprint)
+    fusers = {}
+    for item in (args.fusers.split(",") if args.fusers else []):
+        name, _, path = item.partition("=")
+        fuser = load_translator(path, None, edge.fingerprint)
+        if not fuser.self_fuse:  # a cloud → edge fuser must be for this cloud too
+            fuser = load_translator(path, cloud.fingerprint, edge.fingerprint)
+        fusers[name] = fuser
+        print(f"  fuser {name}: {fuser.name}, open layers {fuser.open_layers()}"
+              f"{' (self-fusion: edge → edge)' if fuser.self_fuse else ''}")
     print(f"calibration: {calib.description}; {len(seqs)} texts; mapping {mapping_name} from m=0; "
           f"fit in {time.perf_counter() - start:.0f} s")
     for name, t in translators.items():
@@ -109,7 +124,7 @@ def main() -> None:
     with Progress() as progress:
         task = progress.add_task("held-out texts", total=len(heldout))
         for n, text in enumerate(heldout):
-            rows += evaluate_text(edge, cloud, text, translators, splits, sinks, seed=n, text_id=n)
+            rows += evaluate_text(edge, cloud, text, translators, splits, sinks, seed=n, text_id=n, fusers=fusers)
             progress.advance(task)
     summary = summarize(rows) + [dict(d, nll=d["delta_nll"], nll_se=d["delta_nll_se"],
                                       condition="Δ " + d["condition"]) for d in paired_delta(rows)]
@@ -119,6 +134,18 @@ def main() -> None:
     (out / "summary.json").write_text(json.dumps({"args": vars(args), "mapping": mapping_name, "pairs": pairs,
                                                   "fit": {k: t.info for k, t in translators.items()},
                                                   "summary": summary}, indent=1))
+    if fusers:  # paired Δ NLL with 95 % intervals, in the shape reports/fidelity-fuse/summary.json has
+        m = min(min(f.info) for f in fusers.values())
+        names = {("edge", None): "edge", ("cloud", None): "cloud", ("no-prefix", None): "no-prefix",
+                 (args.replace, m): "replace", (f"noise:{args.replace}", m): "noise", ("fuse-closed", m): "fuse-closed",
+                 **{(name, min(f.info)): name for name, f in fusers.items()}}
+        ci = delta_ci95(rows, names)
+        (out / "summary_ci95.json").write_text(json.dumps(ci, indent=1))
+        for source, conditions in ci.items():
+            print(f"{source}: Δ NLL vs the edge's own prefill (nats/token), 95 % t-interval")
+            for name, c in conditions.items():
+                print(f"  {name:<14} n={c['n']:<4} {c['delta_mean']:+.4f}  "
+                      f"[{c['delta_ci95'][0]:+.4f}, {c['delta_ci95'][1]:+.4f}]")
     for source in ("sharegpt", "xsum"):
         for key in ("nll", "top1_edge", "top1_cloud"):
             print(table([s for s in summary if key == "nll" or not s["condition"].startswith("Δ")], source, key,

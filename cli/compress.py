@@ -26,9 +26,12 @@ def compress(
     keep_recent: Optional[int] = typer.Option(None, help="Last r tokens keep every key channel [0]."),
     quant: Optional[str] = typer.Option(None, help="fp16, bf16, int8 or int4 [fp16]."),
     map_on: Optional[str] = typer.Option(None, help="Apply the cross-model map on the cloud or the edge [cloud]."),
-    translator: Optional[str] = typer.Option(None, help="Cross-model translator: ridge, hidden or trained [ridge]."),
+    translator: Optional[str] = typer.Option(
+        None, help="Cross-model translator: ridge, hidden, trained, fuse-bias, fuse-residual [ridge]."),
     translator_path: Optional[Path] = typer.Option(None, help="A saved translator (needed for trained) [fit one]."),
     local_sink_tokens: Optional[int] = typer.Option(None, help="First s prompt tokens the edge computes itself [1]."),
+    splice: Optional[str] = typer.Option(None, help="replace (cloud KV instead of the edge's) or fuse (beside it, "
+                                         "through a trained fuser's gates) [replace]."),
     calib: Optional[Path] = typer.Option(None, help="Calibration texts for the maps (.jsonl/.txt) [ShareGPT]."),
     calib_texts: Optional[int] = typer.Option(None, help="Calibration texts [16]."),
     calib_tokens: Optional[int] = typer.Option(None, help="Tokens per calibration text [256]."),
@@ -43,7 +46,7 @@ def compress(
                      mapping=str(mapping) if mapping else None, start_layer=start_layer, prune_ratio=prune_ratio,
                      window=window, keep_recent=keep_recent, quant=quant, map_on=map_on, translator=translator,
                      translator_path=str(translator_path) if translator_path else None,
-                     local_sink_tokens=local_sink_tokens,
+                     local_sink_tokens=local_sink_tokens, splice=splice,
                      calib=str(calib) if calib else None, calib_texts=calib_texts, calib_tokens=calib_tokens,
                      tar=tar, dtype=dtype, device_map=device_map, seed=seed)
     cfg = load_config(CompressConfig, "compress", config, overrides)

@@ -17,7 +17,8 @@ from edgekv.eval.report import table_ii
 def eval_(
     config: Optional[Path] = typer.Option(None, help="YAML config, e.g. configs/eval/default.yaml."),
     dataset: Optional[str] = typer.Option(None, help="xsum, mmlu, sharegpt (comma-separated) [all three]."),
-    strategies: Optional[str] = typer.Option(None, help="cloud-only, edge-only, edgeprompt, ce-lslm[:mapping]."),
+    strategies: Optional[str] = typer.Option(
+        None, help="cloud-only, edge-only, edgeprompt, ce-lslm[:mapping], ce-lslm-fuse."),
     limit: Optional[int] = typer.Option(None, help="Requests per dataset [20]."),
     out: Optional[Path] = typer.Option(None, help="Report directory (resumes from its results.jsonl)."),
     max_new_tokens: Optional[int] = typer.Option(None, help="Tokens generated per answer [32]."),
@@ -25,6 +26,7 @@ def eval_(
     latency_ms: Optional[float] = typer.Option(None, help="Link latency per file [20]."),
     translator: Optional[str] = typer.Option(None, help="ce-lslm's translator: ridge, hidden, trained [hidden]."),
     translator_path: Optional[Path] = typer.Option(None, help="A saved translator for ce-lslm [fit one]."),
+    fuser_path: Optional[Path] = typer.Option(None, help="A trained fuser for ce-lslm-fuse (bench.train_fuser)."),
     seed: Optional[int] = typer.Option(None, help="Sampling seed of the requests [0]."),
     load_rates: Optional[str] = typer.Option(None, help="Poisson load runs at these requests/s, e.g. 0.1,0.25,0.5."),
     load_seconds: Optional[float] = typer.Option(None, help="Length of each load run [20]."),
@@ -34,6 +36,7 @@ def eval_(
                      out=str(out) if out else None, max_new_tokens=max_new_tokens, bandwidth_mbps=bandwidth_mbps,
                      latency_ms=latency_ms, translator=translator,
                      translator_path=str(translator_path) if translator_path else None, seed=seed,
+                     fuser_path=str(fuser_path) if fuser_path else None,
                      load_rates=parse_floats(load_rates), load_seconds=load_seconds)
     cfg = load_config(EvalConfig, "eval", config, overrides)
     with progress_bar() as progress:

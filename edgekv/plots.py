@@ -36,3 +36,24 @@ def similarity_heatmap(
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def loss_curve(log: list[dict], path: str | Path, title: str) -> None:
+    """Training loss per step (light) and held-out KL / NLL where measured (markers), one PNG."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    train = [(e["step"], e["train_loss"]) for e in log if "train_loss" in e]
+    if train:
+        ax.plot(*zip(*train), color="0.7", lw=0.8, label="training loss (one text per step)")
+    for key, colour in (("held_out_kl", "C0"), ("held_out_nll", "C1")):
+        pts = [(e["step"], e[key]) for e in log if key in e]
+        if pts:
+            ax.plot(*zip(*pts), "o-", color=colour, ms=3, label=key.replace("_", " "))
+    ax.set_xlabel("step")
+    ax.set_ylabel("nats/token")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    tmp = Path(path).with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)

@@ -168,3 +168,34 @@ def test_load_curves(tiny_models, data, align_dir, tmp_path):
     assert all(r["errors"] == 0 and r["requests"] >= 1 and r["latency_mean_s"] > 0 for r in load)
     assert (tmp_path / "load" / "load.png").exists() and "Latency under load" in (tmp_path / "load" /
                                                                                    "report.md").read_text()
+
+
+def test_ce_lslm_fuse_with_shut_gates_answers_as_edge_only(tiny_models, data, align_dir, tmp_path):
+    import torch
+
+    from edgekv.kv.fusers import BiasFuser
+    from edgekv.kv.translators import HiddenTranslator, save_translator
+    from edgekv.models.capture import capture
+    from edgekv.models.loading import load_model
+
+    cloud, edge = load_model(tiny_models["cloud"], "float32"), load_model(tiny_models["edge"], "float32")
+    seqs = [torch.tensor(edge.tokenizer(ARTICLE + f" number {i}")["input_ids"][:40]) for i in range(6)]
+    hidden = HiddenTranslator().fit(capture(cloud.model, seqs, ("hidden_in",)),
+                                    capture(edge.model, seqs, ("hidden_in",)), [(1, 2), (2, 3)], edge.model)
+    fuser = BiasFuser.from_hidden(hidden, edge.model, init=-1e4)  # open hard gates, shut soft gates
+    fuser.set_open([1, 2])
+    save_translator(fuser, tmp_path / "fuser", cloud.fingerprint, edge.fingerprint)
+    with pytest.raises(EdgeKVError, match="needs fuser_path"):
+        _cfg(tiny_models, data, align_dir, tmp_path / "x", strategies=["ce-lslm-fuse"]).validate()
+    cfg = _cfg(tiny_models, data, align_dir, tmp_path / "run", strategies=["edge-only", "ce-lslm-fuse"],
+               datasets=["xsum", "mmlu"], fuser_path=str(tmp_path / "fuser"), quant="fp16", prune_ratio=0.0)
+    run_eval(cfg, models=(cloud, edge))
+    rows = read_results(tmp_path / "run" / "results.jsonl")
+    by = {(r["strategy"], r["dataset"], r["id"]): r for r in rows}
+    fused = [r for r in rows if r["strategy"] == "ce-lslm-fuse"]
+    assert len(fused) == 4
+    for r in fused:
+        alone = by[("edge-only", r["dataset"], r["id"])]
+        assert r["answer"] == alone["answer"] and r["upload_ratio"] == 0.0
+        assert r["ref_nll"] == pytest.approx(alone["ref_nll"], abs=1e-4)
+        assert r["bytes_cloud_to_edge"] > 0 and r["layer_sources"] == ["export"]

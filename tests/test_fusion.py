@@ -7,7 +7,7 @@ import torch
 from edgekv import EdgeKVError
 from edgekv.attention.merge import merge_attention, segment_attention
 from edgekv.kv.fuser_training import choose_gates, evaluate, fused_logits, prepare, train
-from edgekv.kv.fusers import BiasFuser
+from edgekv.kv.fusers import BiasFuser, ResidualFuser
 from edgekv.kv.translators import HiddenTranslator, load_translator, save_translator
 from edgekv.models.capture import capture
 from edgekv.models.loading import load_model
@@ -133,3 +133,104 @@ def test_gate_training_resume_is_exact(calib_file, tmp_path):
     assert [e["step"] for e in log] == list(range(1, 9))
     for i in straight.gate_bias:
         assert torch.equal(again.gate_bias[i], straight.gate_bias[i])
+
+
+def test_residual_fuser_starts_as_the_edge_and_learns(calib_file, tmp_path):
+    cloud, edge, bias_fuser, texts = _pair(tmp_path, calib_file)
+    fuser = ResidualFuser.from_hidden(bias_fuser, edge.model, rank=8)
+    examples = prepare(edge, cloud, texts[:5], fuser, ("c", "e"), top_k=16)
+    held = prepare(edge, cloud, texts[5:], fuser, ("c", "e"), top_k=16)
+    with torch.no_grad():
+        text = texts[5]
+        full = torch.cat([text.prefix, text.continuation])
+        alone = edge.model(full[None]).logits[0, text.prefix.numel():-1]
+        assert (fused_logits(edge, fuser, held[0], [1, 2]) - alone).abs().max() < 1e-5  # zero-initialised up
+    before = evaluate(edge, fuser, held, [1, 2])["kl"]
+    train(edge, fuser, examples, held, steps=40, lr=3e-3)
+    assert evaluate(edge, fuser, held, [1, 2])["kl"] < before - 1e-3
+    save_translator(fuser, tmp_path / "r", "c", "e")
+    back = load_translator(tmp_path / "r", "c", "e")
+    assert isinstance(back, ResidualFuser)
+    assert all(torch.equal(back.tensors()[k], t) for k, t in fuser.tensors().items())
+
+
+def test_fidelity_harness_runs_fusers_and_closed_equals_edge(calib_file, tmp_path):
+    from edgekv.eval.fidelity import evaluate_text
+
+    cloud, edge, fuser, texts = _pair(tmp_path, calib_file)
+    for b in fuser.gate_bias.values():
+        b.fill_(0.0)
+    fuser.set_open([1, 2])
+    self_hidden = HiddenTranslator()
+    seqs = [torch.cat([t.prefix, t.continuation]) for t in texts]
+    self_hidden.fit(capture(edge.model, seqs, ("hidden_in",)), capture(edge.model, seqs, ("hidden_in",)),
+                    [(1, 1), (2, 2)], edge.model)
+    self_fuser = BiasFuser.from_hidden(self_hidden, edge.model, source="edge", init=0.0)
+    self_fuser.set_open([1, 2])
+    rows = evaluate_text(edge, cloud, texts[0], {}, [1], 1, fusers={"fuse": fuser, "self-fuse": self_fuser})
+    by = {r["condition"]: r for r in rows}
+    assert set(by) == {"edge", "cloud", "no-prefix", "fuse-closed", "fuse", "self-fuse"}
+    assert by["fuse-closed"]["nll"] == pytest.approx(by["edge"]["nll"], abs=1e-5)
+    assert abs(by["fuse"]["nll"] - by["edge"]["nll"]) > 1e-4
+    assert self_fuser.self_fuse and not fuser.self_fuse
+
+
+def _fuse_export(tiny_models, calib_file, tmp_path, bias: float, name: str):
+    from edgekv.kv.compress_job import CompressConfig, run_compress
+    from tests.test_compress_export import PROMPT
+
+    cloud, edge = load_model(tiny_models["cloud"], "float32"), load_model(tiny_models["edge"], "float32")
+    seqs = [torch.tensor(edge.tokenizer(t)["input_ids"][:40]) for t in calib_file.read_text().splitlines()]
+    hidden = HiddenTranslator().fit(capture(cloud.model, seqs, ("hidden_in",)),
+                                    capture(edge.model, seqs, ("hidden_in",)), [(1, 2), (2, 3)], edge.model)
+    fuser = BiasFuser.from_hidden(hidden, edge.model, init=bias)
+    fuser.set_open([1, 2])
+    save_translator(fuser, tmp_path / f"fuser-{name}", cloud.fingerprint, edge.fingerprint)
+    cfg = CompressConfig(out=str(tmp_path / f"kv-{name}"), cloud=tiny_models["cloud"], edge=tiny_models["edge"],
+                         system_prompt=PROMPT, dtype="float32", quant="fp16", splice="fuse", translator="fuse-bias",
+                         translator_path=str(tmp_path / f"fuser-{name}"))
+    run_compress(cfg)
+    return edge, fuser, tmp_path / f"kv-{name}", PROMPT
+
+
+def test_fuse_export_round_trips_and_serves_the_edge_alone_when_gates_are_shut(tiny_models, calib_file, tmp_path):
+    from edgekv.kv.export import KVExport
+    from edgekv.serve.session import EdgeSession, SamplingParams
+
+    edge, fuser, out, prompt = _fuse_export(tiny_models, calib_file, tmp_path, -1e4, "shut")
+    export = KVExport(out)
+    assert export.manifest["splice"] == "fuse" and export.layer_indices == [1, 2]
+    shipped = export.shipped_translator()
+    assert isinstance(shipped, BiasFuser) and shipped.open_layers() == [1, 2]
+    assert all(torch.equal(shipped.tensors()[k], t) for k, t in fuser.tensors().items())
+    alone = EdgeSession(edge, None, prompt, cache_dir=tmp_path / "c")
+    fused = EdgeSession(edge, str(out), cache_dir=tmp_path / "c")
+    params = SamplingParams(max_new_tokens=8)
+    a, f = alone.complete("What does the cloud compute?", params), fused.complete("What does the cloud compute?",
+                                                                                   params)
+    assert f.token_ids == a.token_ids
+    assert (f.first_logits - a.first_logits).abs().max() < 1e-5
+    assert fused.describe()["splice"] == "fuse" and fused.describe()["bytes_loaded"] > 0
+    _, _, open_out, _ = _fuse_export(tiny_models, calib_file, tmp_path, 0.0, "open")
+    opened = EdgeSession(edge, str(open_out), cache_dir=tmp_path / "c").complete("What does the cloud compute?",
+                                                                                 params)
+    assert (opened.first_logits - a.first_logits).abs().max() > 1e-4  # an open gate reaches the answer
+
+
+def test_compress_refuses_fuse_without_a_fuser_and_an_all_closed_fuser(tiny_models, calib_file, tmp_path):
+    from edgekv.kv.compress_job import CompressConfig, run_compress
+    from tests.test_compress_export import PROMPT
+
+    base = dict(cloud=tiny_models["cloud"], edge=tiny_models["edge"], system_prompt=PROMPT, dtype="float32")
+    with pytest.raises(EdgeKVError, match="--splice fuse needs a trained fuser"):
+        run_compress(CompressConfig(out=str(tmp_path / "a"), splice="fuse", translator="hidden", **base))
+    with pytest.raises(EdgeKVError, match="is a fuser"):
+        run_compress(CompressConfig(out=str(tmp_path / "b"), translator="fuse-bias", translator_path="x", **base))
+    edge, fuser, _, _ = _fuse_export(tiny_models, calib_file, tmp_path, 0.0, "x")
+    fuser.set_open([])
+    cloud = load_model(tiny_models["cloud"], "float32")
+    save_translator(fuser, tmp_path / "closed", cloud.fingerprint, edge.fingerprint)
+    with pytest.raises(EdgeKVError, match="every gate of this fuser is closed"):
+        run_compress(CompressConfig(out=str(tmp_path / "c"), splice="fuse", translator="fuse-bias",
+                                    translator_path=str(tmp_path / "closed"), **base))
+    assert not (tmp_path / "c").exists()

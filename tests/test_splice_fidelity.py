@@ -104,3 +104,18 @@ def test_paired_delta():
     assert d["delta_nll"] == pytest.approx((0.5 + 0.1 + 0.2) / 3)
     spread = torch.tensor([0.5, 0.1, 0.2], dtype=torch.float64).std().item()
     assert d["delta_nll_se"] == pytest.approx(spread / 3 ** 0.5)
+
+
+def test_delta_ci95_is_a_t_interval_of_paired_differences():
+    from edgekv.eval.fidelity import delta_ci95
+
+    rows = [{"text": t, "source": "s", "condition": c, "m": m, "nll": v}
+            for t, (e, x) in enumerate([(1.0, 1.5), (3.0, 3.1), (2.0, 2.2), (2.5, 2.5)])
+            for c, m, v in (("edge", None, e), ("hidden", 12, x))]
+    out = delta_ci95(rows, {("edge", None): "edge", ("hidden", 12): "replace"})
+    d = torch.tensor([0.5, 0.1, 0.2, 0.0], dtype=torch.float64)
+    half = 3.182446305284263 * float(d.std()) / 2  # t(0.975, 3) · s / √4
+    assert out["s"]["replace"]["n"] == 4
+    assert out["s"]["replace"]["delta_mean"] == pytest.approx(0.2)
+    assert out["s"]["replace"]["delta_ci95"] == pytest.approx([0.2 - half, 0.2 + half])
+    assert out["s"]["edge"]["delta_mean"] == 0.0

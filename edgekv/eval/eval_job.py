@@ -5,7 +5,8 @@ whole prompt themselves (timed from the start, so TTFT includes the system promp
 both sides, every layer's system KV from the "cloud", exact) and `ce-lslm` (the cloud model's KV for the deep
 layers through the align mapping and a translator, ThinK-pruned and quantized) build a KV export with
 `run_compress` and answer on a cold `EdgeSession` that loads it through the emulated link. `ce-lslm:<mapping>`
-variants swap the similarity mapping for align's baselines (uniform, last-aligned, dissimilar).
+variants swap the similarity mapping for align's baselines (uniform, last-aligned, dissimilar). `ce-lslm-fuse`
+ships the cloud KV of a trained fuser's open layers and the edge fuses it with its own prefill (`--splice fuse`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from edgekv.serve.pipeline import Link
 from edgekv.serve.session import EdgeSession, SamplingParams
 
 log = logging.getLogger("edgekv")
-BASE_STRATEGIES = ("cloud-only", "edge-only", "edgeprompt", "ce-lslm")
+BASE_STRATEGIES = ("cloud-only", "edge-only", "edgeprompt", "ce-lslm", "ce-lslm-fuse")
+SPLICES = ("edgeprompt", "ce-lslm", "ce-lslm-fuse")  # the strategies that answer on a KV export
 
 
 @command_config("eval")
@@ -47,7 +49,7 @@ class EvalConfig:
     edge: str = "default-edge"
     dtype: str = "bfloat16"
     datasets: list[str] = field(default_factory=lambda: ["xsum", "mmlu", "sharegpt"])
-    strategies: list[str] = field(default_factory=lambda: list(BASE_STRATEGIES))
+    strategies: list[str] = field(default_factory=lambda: list(BASE_STRATEGIES[:4]))  # fuse needs a fuser
     limit: int = 20
     seed: int = 0
     xsum_source: str | None = None  # local .jsonl or hub id (EdinburghNLP/xsum); None: data/xsum sample
@@ -72,6 +74,7 @@ class EvalConfig:
     prune_ratio: float = 0.5
     quant: str = "int8"
     local_sink_tokens: int = 1
+    fuser_path: str | None = None  # ce-lslm-fuse: a trained fuser (`edgekv train-fuser` / bench.train_fuser)
     bertscore: str = "minilm"
     load_rates: list[float] = field(default_factory=list)  # requests/s for Poisson load runs; [] skips them
     load_seconds: float = 20.0
@@ -101,6 +104,9 @@ class EvalConfig:
             raise EdgeKVError(f"load_dataset '{self.load_dataset}' is not among the datasets evaluated")
         if self.translator not in TRANSLATORS:
             raise EdgeKVError(f"unknown translator '{self.translator}' (choose from {', '.join(TRANSLATORS)})")
+        if "ce-lslm-fuse" in self.strategies and not self.fuser_path:
+            raise EdgeKVError("strategy ce-lslm-fuse needs fuser_path (a trained fuser, e.g. from "
+                              "`python -m bench.train_fuser`)")
         if self.translator == "trained" and not self.translator_path:
             raise EdgeKVError("translator 'trained' needs translator_path (a checkpoint of bench.train_translator)")
 
@@ -184,6 +190,12 @@ class Runner:
             return CompressConfig(out=out, cloud=self.cfg.edge, edge=self.cfg.edge, dtype=self.cfg.dtype,
                                   system_prompt=system_prompt, start_layer=0, quant="bf16"
                                   if self.cfg.dtype == "bfloat16" else "fp32")
+        if base == "ce-lslm-fuse":  # the fuser's own pairs and open gates decide which layers ship
+            name = json.loads((Path(self.cfg.fuser_path) / "translator.json").read_text())["name"]
+            return CompressConfig(out=out, cloud=self.cfg.cloud, edge=self.cfg.edge, dtype=self.cfg.dtype,
+                                  system_prompt=system_prompt, prune_ratio=self.cfg.prune_ratio,
+                                  quant=self.cfg.quant, translator=name, translator_path=self.cfg.fuser_path,
+                                  splice="fuse")
         return CompressConfig(out=out, cloud=self.cfg.cloud, edge=self.cfg.edge, dtype=self.cfg.dtype,
                               system_prompt=system_prompt, mapping=self.mapping_path(variant),
                               prune_ratio=self.cfg.prune_ratio, quant=self.cfg.quant, translator=self.cfg.translator,
@@ -220,7 +232,7 @@ class Runner:
         params = SamplingParams(max_new_tokens=self.cfg.max_new_tokens)
         sent: list[tuple[str, str]] = []  # what this strategy passes to the cloud side
         cloud_s, bytes_down, network_s = 0.0, 0, 0.0
-        if base in ("edgeprompt", "ce-lslm"):
+        if base in SPLICES:
             export, info = self.export(strategy, req.system)
             cloud_s, bytes_down = info["cloud_s"], info["bytes"]
             sent.append(("system", info["cloud_input"]))
@@ -356,7 +368,7 @@ def load_curves(runner: Runner, requests: list[Request], steps: Steps) -> list[d
     out = []
     for strategy in cfg.strategies:
         base = strategy.partition(":")[0]
-        if base in ("edgeprompt", "ce-lslm"):
+        if base in SPLICES:
             export, _ = runner.export(strategy, system)
             session = EdgeSession(runner.edge, str(export), cache_dir=runner.out / "work" / "kvcache")
             prompts = [r.user for r in requests]

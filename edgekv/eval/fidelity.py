@@ -7,7 +7,10 @@ and the edge is scored on the continuation. Controls, on the same tokens:
 - `cloud`: the cloud model's own NLL, what the edge could gain;
 - `noise:<translator>`: the edge's own KV plus Gaussian noise whose per-layer variance equals that translator's
   error on this text (is the translator's error worse than random error of the same size?);
-- `no-prefix`: the edge on the continuation alone.
+- `no-prefix`: the edge on the continuation alone;
+- fusers (`fusers={name: Fuser}`): the edge's own prefix KV with the fuser's cloud KV joined at its open layers
+  (a self-fusion fuser takes its features from the edge itself), and `fuse-closed`: the same path with every
+  gate closed, which must equal `edge`.
 Every condition predicts the continuation's tokens 1..C−1 (token 0 has no predictor without a prefix).
 """
 
@@ -18,6 +21,7 @@ import math
 
 import torch
 
+from edgekv.attention.fuse import enable_fusion
 from edgekv.attention.splice import splice_layers
 from edgekv.models.capture import capture
 from edgekv.texts import HeldOutText
@@ -50,10 +54,25 @@ def matched_noise(true: dict, translated: dict, seed: int) -> dict:
 
 
 @torch.no_grad()
+def _fused(edge, base, fuser, acts, text: HeldOutText, layers=None) -> torch.Tensor:
+    """Continuation logits over the edge's own prefix cache joined with a fuser's KV (its open layers)."""
+    enable_fusion(edge.model)
+    translated = fuser.translate(acts, edge.model, sorted(fuser.info)) if layers != [] else {}
+    own = {i: (base.layers[i].keys[0], base.layers[i].values[0]) for i in fuser.info}
+    override, segments = fuser.fuse(edge.model, own, translated, layers)
+    cache = splice_layers(copy.deepcopy(base), override)
+    p = text.prefix.numel()
+    positions = torch.arange(p, p + text.continuation.numel() - 1)[None]
+    return edge.model(input_ids=text.continuation[None, :-1], past_key_values=cache, position_ids=positions,
+                      use_cache=True, cloud_segments=segments).logits[0]
+
+
+@torch.no_grad()
 def evaluate_text(edge, cloud, text: HeldOutText, translators: dict, splits: list[int], sink: int | list[int],
-                  seed: int = 0, text_id: int = 0) -> list[dict]:
+                  seed: int = 0, text_id: int = 0, fusers: dict | None = None) -> list[dict]:
     """All conditions for one text → rows {condition, m, nll, top1_edge, top1_cloud}. Several `sink` values
     name the spliced conditions `<translator>|sink=<s>` (one set of model passes serves them all)."""
+    fusers = fusers or {}
     sinks = [sink] if isinstance(sink, int) else list(sink)
     full = torch.cat([text.prefix, text.continuation])
     p = text.prefix.numel()
@@ -69,7 +88,7 @@ def evaluate_text(edge, cloud, text: HeldOutText, translators: dict, splits: lis
     edge_logits = edge.model(full[None]).logits[0, p:-1]
     edge_top = edge_logits.argmax(-1)
     seen = []  # one cloud pass: its logits score the cloud, its prefix activations feed the translators
-    features = sorted({f for t in translators.values() for f in t.features})
+    features = sorted({f for t in [*translators.values(), *fusers.values()] for f in t.features})
     cloud_acts = capture(cloud.model, [full], features, select=lambda t, n: torch.arange(p),
                          on_output=lambda t, out: seen.append(out.logits[0, p:-1]))
     cloud_logits = seen[0]
@@ -79,6 +98,13 @@ def evaluate_text(edge, cloud, text: HeldOutText, translators: dict, splits: lis
     row("no-prefix", None, edge.model(text.continuation[None, :-1]).logits[0])
 
     base = edge.model(text.prefix[None], use_cache=True).past_key_values
+    if fusers:
+        self_features = sorted({f for t in fusers.values() if t.self_fuse for f in t.features})
+        edge_acts = capture(edge.model, [text.prefix], self_features) if self_features else None
+        first = next(iter(fusers.values()))
+        row("fuse-closed", min(first.info), _fused(edge, base, first, None, text, []))
+        for name, fuser in fusers.items():
+            row(name, min(fuser.info), _fused(edge, base, fuser, edge_acts if fuser.self_fuse else cloud_acts, text))
     own = {i: (base.layers[i].keys[0].float(), base.layers[i].values[0].float()) for i in range(edge.num_layers)}
     for name, translator in translators.items():
         translated = translator.translate(cloud_acts, edge.model, list(range(min(splits), edge.num_layers)))
@@ -125,4 +151,26 @@ def paired_delta(rows: list[dict], reference: str = "edge") -> list[dict]:
         se = float(t.std(unbiased=True) / math.sqrt(len(d))) if len(d) > 1 else float("nan")
         out.append({"source": source, "condition": condition, "m": m, "texts": len(d), "delta_nll": float(t.mean()),
                     "delta_nll_se": se})
+    return out
+
+
+def delta_ci95(rows: list[dict], names: dict[tuple[str, int | None], str], reference: str = "edge") -> dict:
+    """{source: {name: {n, delta_mean, delta_ci95}}} of the paired NLL differences to `reference` for the
+    (condition, m) pairs in `names`; the interval is Student's t over texts (95 %, two-sided)."""
+    from scipy.stats import t as student
+
+    ref = {(r["source"], r["text"]): r["nll"] for r in rows if r["condition"] == reference}
+    out: dict[str, dict] = {}
+    for source in sorted({r["source"] for r in rows}):
+        for (condition, m), name in names.items():
+            d = torch.tensor([r["nll"] - ref[(source, r["text"])] for r in rows
+                              if r["source"] == source and r["condition"] == condition and r["m"] == m],
+                             dtype=torch.float64)
+            if d.numel() == 0:
+                continue
+            mean = float(d.mean())
+            half = float(student.ppf(0.975, d.numel() - 1) * d.std(unbiased=True) / math.sqrt(d.numel())) \
+                if d.numel() > 1 else float("nan")
+            out.setdefault(source, {})[name] = {"n": int(d.numel()), "delta_mean": mean,
+                                                "delta_ci95": [mean - half, mean + half]}
     return out

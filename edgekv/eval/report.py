@@ -144,7 +144,8 @@ def write_report(out: Path, rows: list[dict], config: dict, scorer: str | None, 
           f"{config.get('latency_ms')} ms.", "",
           table_ii(summary), "",
           "TTFT includes everything the edge waits for: system-prompt prefill (edge-only, cloud-only), the export's "
-          "pipelined load and the shallow layers (edgeprompt, ce-lslm); the cloud's own KV computation is "
+          "pipelined load and the shallow layers (edgeprompt, ce-lslm), the edge's own full system prefill "
+          "overlapping the load (ce-lslm-fuse); the cloud's own KV computation is "
           "`cloud_s` in summary.csv (it happens ahead of the request). Memory: base = model weights; inference = "
           "the request's KV cache at the end of generation.", "", "![TTFT](ttft.png)", ""]
     if load:

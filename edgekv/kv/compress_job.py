@@ -60,6 +60,7 @@ class CompressConfig:
     translator: str = "ridge"  # ridge | hidden | trained (see translators.TRANSLATORS)
     translator_path: str | None = None  # a saved translator (required for trained); None: fit on calibration
     local_sink_tokens: int = 1  # the edge computes the first s system-prompt tokens' deep KV itself
+    splice: str = "replace"  # replace: cloud KV instead of the edge's own; fuse: beside it, through a fuser's gates
     calib: str | None = None  # calibration texts for the maps; None: ShareGPT
     calib_texts: int = 16
     calib_tokens: int = 256
@@ -87,6 +88,14 @@ class CompressConfig:
         if self.translator == "trained" and not self.translator_path:
             raise EdgeKVError("--translator trained needs --translator-path (a checkpoint of "
                               "`python -m bench.train_translator`)")
+        if self.splice not in ("replace", "fuse"):
+            raise EdgeKVError(f"--splice must be 'replace' or 'fuse', got '{self.splice}'")
+        is_fuser = getattr(TRANSLATORS[self.translator], "splice", "replace") == "fuse"
+        if self.splice == "fuse" and not (is_fuser and self.translator_path):
+            raise EdgeKVError("--splice fuse needs a trained fuser: --translator fuse-bias|fuse-residual "
+                              "--translator-path DIR (from `edgekv train-fuser`)")
+        if self.splice == "replace" and is_fuser:
+            raise EdgeKVError(f"--translator {self.translator} is a fuser: use it with --splice fuse")
         if self.local_sink_tokens < 0:
             raise EdgeKVError(f"--local-sink-tokens must be ≥ 0, got {self.local_sink_tokens}")
         if self.dtype not in DTYPES:
@@ -359,12 +368,17 @@ def run_compress(cfg: CompressConfig, progress=None, models: tuple[LoadedModel, 
         translator, edge_cal = get_translator(cfg, cloud, edge, pairs, _calibration(cfg, edge.tokenizer), steps)
         if cfg.translator_path:  # the saved translator's pairing wins over --mapping
             pairs = [p for p in translator.pairs() if cfg.start_layer is None or p[0] >= cfg.start_layer]
-            translator.info = {i: translator.info[i] for i, _ in pairs}
+            if cfg.splice == "fuse":  # a closed gate takes nothing from the cloud: ship only the open layers
+                pairs = [p for p in pairs if p[0] in translator.open_layers()]
+                if not pairs:
+                    raise EdgeKVError(f"{cfg.translator_path}: every gate of this fuser is closed (fusion did not "
+                                      "help on its held-out texts); the edge alone is the same, with no export")
+            translator.keep_layers(i for i, _ in pairs)
             mapping_source = f"pairs of translator {cfg.translator_path}"
         timings["calibration_s"] = time.perf_counter() - start
         layers = heterogeneous_layers(cloud, edge, ids, translator, edge_cal, cfg, steps)
         files = translator_files(translator, cloud.fingerprint, edge.fingerprint)
-        if cfg.map_on == "edge":
+        if cfg.map_on == "edge" or cfg.splice == "fuse":  # a fuser's gates are applied on the edge either way
             extra = files
     timings["cloud_kv_s"] = time.perf_counter() - start - timings.get("calibration_s", 0.0)
 
@@ -383,13 +397,14 @@ def run_compress(cfg: CompressConfig, progress=None, models: tuple[LoadedModel, 
     n = int(ids.numel())
     manifest = {
         "regime": "same-model" if same else "heterogeneous",
+        "splice": "replace" if same else cfg.splice,
         "cloud": cinfo, "edge": einfo,
         "tokenizer_fingerprint": tokenizer_fingerprint(edge.tokenizer),
         "system_prompt": {"num_tokens": n, "token_ids_sha256": token_ids_sha256(ids.tolist()),
                           "token_ids": ids.tolist()},
         "start_layer": pairs[0][0], "mapping": mapping_source,
         "map_location": "none" if same else cfg.map_on,
-        "local_sink_tokens": 0 if same else min(cfg.local_sink_tokens, n),
+        "local_sink_tokens": 0 if same or cfg.splice == "fuse" else min(cfg.local_sink_tokens, n),
         "prune": {"method": "think", "ratio": cfg.prune_ratio, "window": cfg.window, "keep_recent": cfg.keep_recent,
                   "queries": "own window" if same or cfg.map_on == "edge" else "edge calibration windows"},
         "quant": cfg.quant,

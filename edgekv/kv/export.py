@@ -264,10 +264,17 @@ class KVExport:
     def translator(self):
         """The translator the edge applies (map_location "edge"), checked against this export's model pair; None
         when the KV is already edge-shaped."""
+        info = self.manifest.get("translator")
+        if not info or info.get("applied_on") != "edge":
+            return None
+        return self.shipped_translator()
+
+    def shipped_translator(self):
+        """The translator (or fuser) shipped inside the export, checked against its model pair; None if none is."""
         from edgekv.kv.translators import TRANSLATOR_CONFIG, TRANSLATOR_TENSORS, translator_from_files
 
         info = self.manifest.get("translator")
-        if not info or info.get("applied_on") != "edge":
+        if not info or not info.get("shipped"):
             return None
         files = {n: self.file(n) for n in (TRANSLATOR_TENSORS, TRANSLATOR_CONFIG)}
         return translator_from_files(files, f"{self.path}/{TRANSLATOR_CONFIG}",

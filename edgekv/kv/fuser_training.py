@@ -20,9 +20,9 @@ from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
 from edgekv.attention.fuse import enable_fusion
-from edgekv.kv.fusers import BiasFuser
+from edgekv.kv.fusers import Fuser
 from edgekv.kv.training import example_index
-from edgekv.kv.translators import save_translator
+from edgekv.kv.translators import HiddenTranslator, save_translator
 from edgekv.models.capture import capture
 from edgekv.texts import HeldOutText
 
@@ -41,13 +41,12 @@ class FuseExample:
     top_logp: torch.Tensor  # (C−1, k) the cloud's log-probs of those ids
 
 
-def _maps_digest(fuser: BiasFuser, pair: tuple[str, str], top_k: int) -> str:
+def _maps_digest(fuser: Fuser, pair: tuple[str, str], top_k: int) -> str:
     """What cached features depend on besides the text: the model pair, k and the maps (never the gates)."""
     layers = {str(i): fuser.info[i]["cloud_layer"] for i in sorted(fuser.info)}
     h = hashlib.sha256(json.dumps({"pair": pair, "k": top_k, "layers": layers}).encode())
-    for name, t in sorted(fuser.tensors().items()):
-        if not name.endswith("gate_bias"):
-            h.update(name.encode() + t.detach().float().contiguous().numpy().tobytes())
+    for name, t in sorted(HiddenTranslator.tensors(fuser).items()):  # the maps only, never the gates
+        h.update(name.encode() + t.detach().float().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -58,7 +57,7 @@ def _key(text: HeldOutText, digest: str) -> str:
 
 
 @torch.no_grad()
-def _compute(edge, cloud, text: HeldOutText, fuser: BiasFuser, top_k: int) -> dict[str, torch.Tensor]:
+def _compute(edge, cloud, text: HeldOutText, fuser: Fuser, top_k: int) -> dict[str, torch.Tensor]:
     full = torch.cat([text.prefix, text.continuation])
     p = text.prefix.numel()
     seen = []
@@ -81,7 +80,7 @@ def _example(t: dict[str, torch.Tensor]) -> FuseExample:
                        {i: (t[f"cloud.{i}.k"], t[f"cloud.{i}.v"]) for i in cloud_layers}, t["top_ids"], t["top_logp"])
 
 
-def prepare(edge, cloud, texts: list[HeldOutText], fuser: BiasFuser, pair: tuple[str, str], top_k: int = 64,
+def prepare(edge, cloud, texts: list[HeldOutText], fuser: Fuser, pair: tuple[str, str], top_k: int = 64,
             cache_dir: str | Path | None = None, on_text: Callable[[int], None] | None = None) -> list[FuseExample]:
     """One FuseExample per text, read from `cache_dir` when computed before (atomic safetensors per text)."""
     digest = _maps_digest(fuser, pair, top_k) if cache_dir else ""
@@ -103,18 +102,19 @@ def prepare(edge, cloud, texts: list[HeldOutText], fuser: BiasFuser, pair: tuple
     return out
 
 
-def fused_logits(edge, fuser: BiasFuser, ex: FuseExample, layers: list[int] | None = None) -> torch.Tensor:
+def fused_logits(edge, fuser: Fuser, ex: FuseExample, layers: list[int] | None = None) -> torch.Tensor:
     """Edge logits predicting continuation tokens 1..C−1 over its own prefix KV plus the cloud segments of
     `layers` (default: the open hard gates); differentiable in the gate biases."""
     enable_fusion(edge.model)
+    override, segments = fuser.fuse(edge.model, dict(enumerate(ex.own)), ex.cloud, layers)
     cache = DynamicCache()
-    with torch.no_grad():
-        for i, (k, v) in enumerate(ex.own):
-            cache.update(k[None], v[None], i)
+    for i, (k, v) in enumerate(ex.own):
+        k, v = override.get(i, (k, v))
+        cache.update(k[None], v[None], i)
     p = ex.prefix.numel()
     positions = torch.arange(p, p + ex.continuation.numel() - 1)[None]
     return edge.model(input_ids=ex.continuation[None, :-1], past_key_values=cache, position_ids=positions,
-                      cloud_segments=fuser.segments(ex.cloud, layers)).logits[0]
+                      cloud_segments=segments).logits[0]
 
 
 def topk_kl(logits: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor) -> torch.Tensor:
@@ -132,15 +132,15 @@ def nll(logits: torch.Tensor, ex: FuseExample) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.float(), ex.continuation[1:])
 
 
-def loss(edge, fuser: BiasFuser, ex: FuseExample, ce_weight: float = 0.0) -> torch.Tensor:
+def loss(edge, fuser: Fuser, ex: FuseExample, ce_weight: float = 0.0) -> torch.Tensor:
     """Training loss of one text with every trained gate in play."""
-    logits = fused_logits(edge, fuser, ex, sorted(fuser.gate_bias))
+    logits = fused_logits(edge, fuser, ex, sorted(fuser.info))
     out = topk_kl(logits, ex.top_ids, ex.top_logp)
     return out + ce_weight * nll(logits, ex) if ce_weight else out
 
 
 @torch.no_grad()
-def evaluate(edge, fuser: BiasFuser, examples: list[FuseExample], layers: list[int] | None) -> dict[str, float]:
+def evaluate(edge, fuser: Fuser, examples: list[FuseExample], layers: list[int] | None) -> dict[str, float]:
     """Mean top-k KL to the cloud and NLL of the text over `examples` with the segments of `layers`."""
     kl, nl = [], []
     for ex in examples:
@@ -150,8 +150,8 @@ def evaluate(edge, fuser: BiasFuser, examples: list[FuseExample], layers: list[i
     return {"kl": sum(kl) / len(kl), "nll": sum(nl) / len(nl)}
 
 
-def _save(path: Path, fuser: BiasFuser, opt: torch.optim.Optimizer, step: int, log: list, pair) -> None:
-    tensors = {f"gate.{i}": b.detach().clone().contiguous() for i, b in fuser.gate_bias.items()}
+def _save(path: Path, fuser: Fuser, opt: torch.optim.Optimizer, step: int, log: list, pair) -> None:
+    tensors = {f"param.{n}": p.detach().clone().contiguous() for n, p in enumerate(fuser.parameters())}
     for n, p in enumerate(fuser.parameters()):
         for k, v in opt.state.get(p, {}).items():
             if torch.is_tensor(v):
@@ -164,13 +164,13 @@ def _save(path: Path, fuser: BiasFuser, opt: torch.optim.Optimizer, step: int, l
     (path / "progress.json.tmp").replace(path / "progress.json")
 
 
-def _load(path: Path, fuser: BiasFuser, opt: torch.optim.Optimizer) -> tuple[int, list]:
+def _load(path: Path, fuser: Fuser, opt: torch.optim.Optimizer) -> tuple[int, list]:
     if not (path / "progress.json").exists():
         return 0, []
     tensors = load_file(str(path / "state.safetensors"))
     with torch.no_grad():
-        for i, b in fuser.gate_bias.items():
-            b.copy_(tensors[f"gate.{i}"])
+        for n, p in enumerate(fuser.parameters()):
+            p.copy_(tensors[f"param.{n}"])
     for n, p in enumerate(fuser.parameters()):
         state = {k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"opt.{n}.")}
         if state:
@@ -179,10 +179,10 @@ def _load(path: Path, fuser: BiasFuser, opt: torch.optim.Optimizer) -> tuple[int
     return progress["step"], progress["log"]
 
 
-def train(edge, fuser: BiasFuser, examples: list[FuseExample], held_out: list[FuseExample], steps: int,
+def train(edge, fuser: Fuser, examples: list[FuseExample], held_out: list[FuseExample], steps: int,
           lr: float = 0.05, ce_weight: float = 0.0, seed: int = 0, checkpoint: str | Path | None = None,
           every: int = 25, on_step=None, stop=None, pair: tuple[str | None, str | None] = (None, None)) -> list[dict]:
-    """Adam on the gate biases, one text per step in a seeded order; held-out KL/NLL every `every` steps and at
+    """Adam on the fuser's gates, one text per step in a seeded order; held-out KL/NLL every `every` steps and at
     the end; resumes from `checkpoint`; `stop(step)` may end early. Every model weight stays frozen."""
     for p in edge.model.parameters():
         p.requires_grad_(False)
@@ -203,7 +203,7 @@ def train(edge, fuser: BiasFuser, examples: list[FuseExample], held_out: list[Fu
         done = step + 1 == steps or (stop is not None and stop(step + 1))
         if held_out and ((step + 1) % every == 0 or done):
             entry.update({f"held_out_{k}": v for k, v in
-                          evaluate(edge, fuser, held_out, sorted(fuser.gate_bias)).items()})
+                          evaluate(edge, fuser, held_out, sorted(fuser.info)).items()})
         log.append(entry)
         if on_step:
             on_step(step + 1, entry)
@@ -217,11 +217,11 @@ def train(edge, fuser: BiasFuser, examples: list[FuseExample], held_out: list[Fu
 
 
 @torch.no_grad()
-def choose_gates(edge, fuser: BiasFuser, held_out: list[FuseExample], margin: float = 0.0) -> dict:
+def choose_gates(edge, fuser: Fuser, held_out: list[FuseExample], margin: float = 0.0) -> dict:
     """Hard gates by held-out NLL of the text: from all trained layers open, close each layer whose closing
     (leave-one-out) lowers the NLL; keep the result only if it beats every gate closed by more than `margin`
     nats/token, else close all. Sets `fuser`'s open layers; returns the evidence."""
-    layers = sorted(fuser.gate_bias)
+    layers = sorted(fuser.info)
     closed = evaluate(edge, fuser, held_out, [])["nll"]
     everything = evaluate(edge, fuser, held_out, layers)["nll"]
     loo = {i: evaluate(edge, fuser, held_out, [j for j in layers if j != i])["nll"] for i in layers}

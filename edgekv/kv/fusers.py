@@ -1,11 +1,13 @@
 """Fusers (DESIGN.md §3, "fuse"; C2C, Fu et al. 2025): the edge keeps its own system-prompt KV at every layer,
-and the translated cloud KV enters beside it through a gate that starts closed.
+and the translated cloud KV (made by `hidden`'s maps) enters beside it through a gate that starts closed.
 
-`bias` (registered as translator `fuse-bias`): `hidden`'s maps make the cloud segment's KV; one learned logit
-bias per (layer, KV head) is added to every cloud key's score, so the edge's attention is one softmax over
-[own keys; cloud keys + b] (`edgekv.attention.fuse`). A per-layer hard gate (`info[i]["open"]`) is chosen on
-held-out text after training: a closed layer gets no cloud segment, so with every gate closed the edge computes
-exactly what it computes alone. Saved and refused for another model pair like every translator.
+Two gate forms, one small class each in the translator registry:
+- `fuse-bias`: a second attention segment of cloud KV with one learned logit bias per (layer, KV head) added to
+  every cloud key's score: one softmax over [own keys; cloud keys + b] (`edgekv.attention.fuse`).
+- `fuse-residual`: C2C-style `K = K_own + up(silu(down([K_own; K_cloud])))` per KV head on un-rotated keys (the
+  same for V), `up` zero-initialised: at initialisation the edge's own KV, exactly.
+Each mapped layer also has a hard gate (`info[i]["open"]`), chosen on held-out text after training: a closed
+layer gets nothing from the cloud, so with every gate closed the edge computes exactly what it computes alone.
 """
 
 from __future__ import annotations
@@ -14,30 +16,35 @@ import torch
 
 from edgekv.attention.fuse import CloudSegment
 from edgekv.kv.translators import HiddenTranslator, KVPair, RidgeMap, register_translator
-from edgekv.models.structure import attn_shape
+from edgekv.models.structure import attn_shape, rotary_cos_sin, rotate_keys, unrotate_keys
 
 INIT_BIAS = -6.0  # nearly closed (cloud weight ≈ e⁻⁶ of the own segment's) yet with a usable gradient
 
 
-@register_translator("fuse-bias")
-class BiasFuser(HiddenTranslator):
-    """`hidden`'s translated cloud KV as a second attention segment behind a per-(layer, KV head) logit bias."""
+class Fuser(HiddenTranslator):
+    """Base of the fusers: `hidden`'s maps make the cloud KV; subclasses say how it joins the edge's own."""
 
     splice = "fuse"
 
-    def __init__(self):
-        super().__init__()
-        self.gate_bias: dict[int, torch.Tensor] = {}
-
     @classmethod
-    def from_hidden(cls, hidden: HiddenTranslator, edge_model, init: float = INIT_BIAS) -> "BiasFuser":
-        """Start from a fitted hidden-state translator (maps copied), every gate at `init`, hard gates closed."""
+    def from_hidden(cls, hidden: HiddenTranslator, edge_model, **kwargs) -> "Fuser":
+        """Start from a fitted hidden-state translator (maps copied), gates at their closed start, hard gates
+        closed; `source="edge"` marks a self-fusion control (the "cloud" features are the edge's own)."""
         out = cls()
         out.maps = {i: RidgeMap(m.weight.clone(), m.bias.clone(), m.alpha) for i, m in hidden.maps.items()}
-        out.info = {i: {**v, "open": False} for i, v in hidden.info.items()}
-        _, kv_heads, _ = attn_shape(edge_model)
-        out.gate_bias = {i: torch.full((kv_heads,), float(init)) for i in out.maps}
+        source = kwargs.pop("source", "cloud")
+        out.info = {i: {**v, "open": False, "source": source} for i, v in hidden.info.items()}
+        out.init_gates(edge_model, **kwargs)
         return out
+
+    def init_gates(self, edge_model, **kwargs) -> None:
+        """Create the gate parameters of every mapped layer."""
+        raise NotImplementedError
+
+    @property
+    def self_fuse(self) -> bool:
+        """True for the edge → edge control."""
+        return any(v.get("source") == "edge" for v in self.info.values())
 
     def open_layers(self) -> list[int]:
         """Edge layers whose hard gate is open."""
@@ -49,21 +56,115 @@ class BiasFuser(HiddenTranslator):
         for i in self.info:
             self.info[i]["open"] = i in keep
 
-    def segments(self, translated: dict[int, KVPair], layers=None) -> dict[int, CloudSegment]:
-        """Cloud segments (batch 1) for `layers` (default: the open ones) from translated (kv_heads, S, d) KV."""
-        layers = self.open_layers() if layers is None else layers
-        return {i: CloudSegment(translated[i][0][None], translated[i][1][None], self.gate_bias[i])
-                for i in layers if i in translated}
+    def keep_layers(self, layers) -> None:
+        """Drop every edge layer but `layers`, gates included."""
+        keep = set(layers)
+        super().keep_layers(keep)
+        self.drop_gates(keep)
+
+    def drop_gates(self, keep: set[int]) -> None:
+        """Drop the gate parameters of layers not in `keep`."""
+        raise NotImplementedError
+
+    def fuse(self, edge_model, own: dict[int, KVPair], cloud: dict[int, KVPair],
+             layers: list[int] | None = None) -> tuple[dict[int, KVPair], dict[int, CloudSegment]]:
+        """(replacement own KV, cloud segments) for `layers` (default: the open ones); KV is (kv_heads, S, d)."""
+        raise NotImplementedError
+
+    def gate_tensors(self) -> dict[str, torch.Tensor]:
+        """The gate parameters as named tensors."""
+        raise NotImplementedError
 
     def parameters(self) -> list[torch.Tensor]:
-        """The trainable tensors: one bias vector per layer, in layer order."""
-        return [self.gate_bias[i] for i in sorted(self.gate_bias)]
+        """The trainable tensors (the gates; the maps stay as fitted), in a fixed order."""
+        return [t for _, t in sorted(self.gate_tensors().items())]
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Maps and gate biases as named plain tensors (safetensors)."""
-        return {**super().tensors(), **{f"{i}.gate_bias": b for i, b in self.gate_bias.items()}}
+        """Maps and gates as named plain tensors (safetensors)."""
+        return {**super().tensors(), **self.gate_tensors()}
+
+
+@register_translator("fuse-bias")
+class BiasFuser(Fuser):
+    """Cloud KV as a second attention segment behind a per-(layer, KV head) logit bias."""
+
+    def init_gates(self, edge_model, init: float = INIT_BIAS) -> None:
+        """One bias per KV head and layer, at `init`."""
+        _, kv_heads, _ = attn_shape(edge_model)
+        self.gate_bias = {i: torch.full((kv_heads,), float(init)) for i in self.maps}
+
+    def fuse(self, edge_model, own, cloud, layers=None):
+        """No change to the own KV; one cloud segment per layer."""
+        layers = self.open_layers() if layers is None else layers
+        return {}, {i: CloudSegment(cloud[i][0][None], cloud[i][1][None], self.gate_bias[i])
+                    for i in layers if i in cloud}
+
+    def segments(self, cloud: dict[int, KVPair], layers=None) -> dict[int, CloudSegment]:
+        """The cloud segments alone (this fuser never changes the own KV)."""
+        return self.fuse(None, {}, cloud, layers)[1]
+
+    def gate_tensors(self):
+        return {f"{i}.gate_bias": b for i, b in self.gate_bias.items()}
+
+    def drop_gates(self, keep: set[int]) -> None:
+        self.gate_bias = {i: b for i, b in self.gate_bias.items() if i in keep}
 
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Inverse of `tensors`."""
         super().load_tensors(tensors)
         self.gate_bias = {i: tensors[f"{i}.gate_bias"].clone() for i in self.info}
+
+
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
+
+
+@register_translator("fuse-residual")
+class ResidualFuser(Fuser):
+    """C2C-style residual fuser per KV head: own KV + a zero-initialised projection of [own; cloud]."""
+
+    PARTS = ("k_down", "k_down_b", "k_up", "k_up_b", "v_down", "v_down_b", "v_up", "v_up_b")
+
+    def init_gates(self, edge_model, rank: int = 32, seed: int = 0) -> None:
+        """Seeded down projections, zero up projections (the edge's own KV at the start)."""
+        _, _, d = attn_shape(edge_model)
+        g = torch.Generator().manual_seed(seed)
+        self.res = {}
+        for i in sorted(self.maps):
+            for kv in "kv":
+                self.res[f"{i}.{kv}_down"] = torch.randn(2 * d, rank, generator=g) / (2 * d) ** 0.5
+                self.res[f"{i}.{kv}_down_b"] = torch.zeros(rank)
+                self.res[f"{i}.{kv}_up"] = torch.zeros(rank, d)
+                self.res[f"{i}.{kv}_up_b"] = torch.zeros(d)
+
+    def _delta(self, i: int, kv: str, own: torch.Tensor, cloud: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([_rms(own.float()), _rms(cloud.float())], -1)
+        h = torch.nn.functional.silu(x @ self.res[f"{i}.{kv}_down"] + self.res[f"{i}.{kv}_down_b"])
+        return h @ self.res[f"{i}.{kv}_up"] + self.res[f"{i}.{kv}_up_b"]
+
+    def fuse(self, edge_model, own, cloud, layers=None):
+        """Own KV + the fuser's correction at each layer (keys fused un-rotated, then rotated back)."""
+        layers = self.open_layers() if layers is None else layers
+        out = {}
+        for i in layers:
+            if i not in cloud:
+                continue
+            (ko, vo), (kc, vc) = own[i], cloud[i]
+            positions = torch.arange(ko.shape[1])[None]
+            cs = rotary_cos_sin(edge_model, positions, ko[None].float())
+            unrot = (lambda k: k.float()) if cs is None else (lambda k: unrotate_keys(k[None].float(), *cs)[0])
+            dk = self._delta(i, "k", unrot(ko), unrot(kc))
+            dk = dk if cs is None else rotate_keys(dk[None], *cs)[0]  # rotary is linear: own + rotated delta
+            out[i] = ((ko.float() + dk).to(ko.dtype), (vo.float() + self._delta(i, "v", vo, vc)).to(vo.dtype))
+        return out, {}
+
+    def gate_tensors(self):
+        return dict(self.res)
+
+    def drop_gates(self, keep: set[int]) -> None:
+        self.res = {k: v for k, v in self.res.items() if int(k.split(".")[0]) in keep}
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Inverse of `tensors`."""
+        super().load_tensors(tensors)
+        self.res = {f"{i}.{p}": tensors[f"{i}.{p}"].clone() for i in self.info for p in self.PARTS}

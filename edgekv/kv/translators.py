@@ -158,6 +158,12 @@ class Translator:
         """(edge layer, cloud layer) pairs, ascending."""
         return [(i, int(self.info[i]["cloud_layer"])) for i in sorted(self.info)]
 
+    def keep_layers(self, layers) -> None:
+        """Drop every edge layer but `layers` (what an export does not use, it need not ship)."""
+        keep = set(layers)
+        self.info = {i: v for i, v in self.info.items() if i in keep}
+        self.maps = {i: v for i, v in self.maps.items() if i in keep}
+
 
 @register_translator("ridge")
 class RidgeTranslator(Translator):
@@ -266,7 +272,6 @@ def translator_from_files(files: dict[str, bytes], where: str, cloud_fingerprint
     """Rebuild a translator from its two files; refuses one made for another model pair, or altered bytes."""
     from safetensors.torch import load as st_load
 
-    from edgekv.kv import fusers  # noqa: F401  (registers the fuse-* translators)
 
     try:
         config = json.loads(files[TRANSLATOR_CONFIG].decode("utf-8"))
@@ -314,3 +319,6 @@ def load_translator(path: str | Path, cloud_fingerprint: str | None = None, edge
         except OSError as exc:
             raise EdgeKVError(f"{path}: no saved translator there ({name}: {exc.strerror or exc})") from exc
     return translator_from_files(files, str(path), cloud_fingerprint, edge_fingerprint)
+
+
+from edgekv.kv import fusers  # noqa: E402,F401  (registers the fuse-* translators; it imports this module)

@@ -21,6 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from edgekv import EdgeKVError
+from edgekv.attention.fuse import enable_fusion
 from edgekv.attention.shared_prefix import SharedPrefixLayer
 from edgekv.kv.decode import decode_layer, edge_kv
 from edgekv.kv.export import Expect, FetchError, KVExport, KVStoreError, is_url, tokenizer_fingerprint, write_copy
@@ -149,6 +150,9 @@ class EdgeSession:
             ids = edge.tokenizer(system_prompt, add_special_tokens=True)["input_ids"] if system_prompt else []
             self.system_ids = torch.tensor(ids, dtype=torch.long)
         self.prefix_len = int(self.system_ids.numel())
+        self.splice = self.export.manifest.get("splice", "replace") if self.export is not None else "replace"
+        self._fusion_lock = threading.Lock()
+        self._fusion: tuple[dict[int, KVPair], dict] | None = None
         self._build(local_sink_tokens)
 
     # ------------------------------------------------------------------------------------------- sources
@@ -177,6 +181,8 @@ class EdgeSession:
 
     def _build(self, local_sink_tokens: int | None) -> None:
         """Start the deep layers loading, then compute the shallow layers (overlapping the transfer)."""
+        if self.splice == "fuse":
+            return self._build_fused()
         self.start_layer = min(self.export.layer_indices) if self.export is not None else self.num_layers
         manifest = self.export.manifest if self.export is not None else {}
         if self.export is not None and self.export.layer_indices != list(range(self.start_layer, self.num_layers)):
@@ -203,6 +209,44 @@ class EdgeSession:
             self.shallow = [(empty, empty)] * self.num_layers
         self.timings = {"shallow_prefill_s": time.perf_counter() - start}
 
+    def _build_fused(self) -> None:
+        """Fuse mode: the edge prefills its own KV of every layer while the cloud KV of the fuser's open layers
+        loads; a cloud layer that fails verification keeps its gate closed (the edge's own KV alone)."""
+        if any(not 0 <= i < self.num_layers for i in self.export.layer_indices):
+            raise KVStoreError(f"{self.export.path}: layers {self.export.layer_indices} are not layers of this edge")
+        self.fuser = self.export.shipped_translator()
+        if self.fuser is None or getattr(self.fuser, "splice", None) != "fuse":
+            raise KVStoreError(f"{self.export.path}: a fuse export without its fuser")
+        enable_fusion(self.model)
+        self.start_layer, self.sink_tokens = self.num_layers, 0
+        self.loader = LayerLoader(self.export, self.model, self.dtype, self.link, [], None,
+                                  on_loaded=self._keep_copy if self.source == "remote" else None).start()
+        start = time.perf_counter()
+        self.shallow = prefix_kv(self.model, self.system_ids)
+        self.timings = {"shallow_prefill_s": time.perf_counter() - start}
+
+    def fusion(self) -> tuple[dict[int, KVPair], dict]:
+        """(own KV replaced by the fuser, cloud attention segments), made once when the cloud layers are in."""
+        if self.splice != "fuse":
+            return {}, {}
+        with self._fusion_lock:
+            if self._fusion is None:
+                cloud = {}
+                for i in self.loader.layers:
+                    try:
+                        k, v = self.loader.get(i)
+                        cloud[i] = (k[0], v[0])
+                    except EdgeKVError as exc:
+                        log.warning("layer %d: no cloud KV (%s); its gate stays closed", i, exc)
+                own = {i: (k[0], v[0]) for i, (k, v) in enumerate(self.shallow)}
+                with torch.no_grad():
+                    override, segments = self.fuser.fuse(self.model, own, cloud, sorted(cloud))
+                self._fusion = ({i: (k[None], v[None]) for i, (k, v) in override.items()}, segments)
+            return self._fusion
+
+    def _forward_kwargs(self) -> dict:
+        return {"cloud_segments": self.fusion()[1]} if self.splice == "fuse" else {}
+
     def _own_kv(self) -> list[KVPair]:
         if self._own is None and not self.prefix_len:
             self._own = self.shallow
@@ -227,6 +271,8 @@ class EdgeSession:
 
     def layer_kv(self, i: int) -> KVPair:
         """The shared system-prompt KV of layer i (waits for a layer in transit)."""
+        if self.splice == "fuse":
+            return self.fusion()[0].get(i, self.shallow[i])
         if i < self.start_layer:
             return self.shallow[i]
         if self.loader is None:
@@ -279,9 +325,10 @@ class EdgeSession:
         text, finish, ttft, first_logits = "", "length", 0.0, None
         while len(tokens) < params.max_new_tokens:
             positions = torch.arange(position, position + ids.shape[1])[None]
+            extra = self._forward_kwargs()
             with self.lock:
                 logits = self.model(input_ids=ids, past_key_values=cache, position_ids=positions, use_cache=True,
-                                    logits_to_keep=1).logits[0, -1]
+                                    logits_to_keep=1, **extra).logits[0, -1]
             if not tokens and position == self.prefix_len:
                 ttft = time.perf_counter() - start
                 first_logits = logits.float()
@@ -311,17 +358,19 @@ class EdgeSession:
 
     @property
     def system_kv_bytes(self) -> int:
-        """Bytes of the shared system-prompt KV (all layers, as held)."""
-        return sum(2 * k.numel() * k.element_size() for k, _ in (self.layer_kv(i) for i in range(self.num_layers)))
+        """Bytes of the shared system-prompt KV (all layers, as held; cloud segments included)."""
+        own = sum(2 * k.numel() * k.element_size() for k, _ in (self.layer_kv(i) for i in range(self.num_layers)))
+        return own + sum(2 * s.keys.numel() * s.keys.element_size() for s in self.fusion()[1].values())
 
     @torch.no_grad()
     def continuation_nll(self, user: torch.Tensor, continuation: torch.Tensor) -> float:
         """Mean NLL (nats/token) of `continuation` after the user prompt, on this session's system cache."""
         ids = torch.cat([user, continuation[:-1]])
         positions = torch.arange(self.prefix_len, self.prefix_len + ids.numel())[None]
+        extra = self._forward_kwargs()
         with self.lock:
             logits = self.model(input_ids=ids[None], past_key_values=self.new_cache(), position_ids=positions,
-                                use_cache=True).logits[0, user.numel() - 1:]
+                                use_cache=True, **extra).logits[0, user.numel() - 1:]
         logp = torch.log_softmax(logits.float(), dim=-1)
         return float(-logp.gather(-1, continuation[:, None]).mean())
 
@@ -337,7 +386,9 @@ class EdgeSession:
     def describe(self) -> dict:
         """Where the system KV came from and what loading cost (for logs, /metrics and batch output)."""
         out = {"source": self.source, "system_prompt_tokens": self.prefix_len, "start_layer": self.start_layer,
-               "sink_tokens": self.sink_tokens, **self.timings}
+               "sink_tokens": self.sink_tokens, "splice": self.splice, **self.timings}
+        if self.splice == "fuse":
+            out["fused_layers"] = self.loader.layers
         if self.loader is not None:
             out.update(bytes_loaded=self.loader.bytes_loaded, layers=events_as_dicts(self.loader.events),
                        layer_sources=sorted({e.source for e in self.loader.events}))
