@@ -34,16 +34,18 @@ from edgekv.texts import iter_sharegpt, render_conversation, sharegpt_texts, spl
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def full_depth_pairs(similarity: str | None, n_cloud: int, n_edge: int) -> tuple[list[tuple[int, int]], str]:
-    """A mapping for every edge layer (m = 0): the similarity strategy on align's matrices, else uniform."""
-    if similarity:
+def full_depth_pairs(similarity: str | None, n_cloud: int, n_edge: int,
+                     strategy: str | None = None) -> tuple[list[tuple[int, int]], str]:
+    """A mapping for every edge layer (m = 0): the similarity strategy on align's matrices, else `strategy`
+    (uniform by default; last-aligned is C2C's rule)."""
+    if similarity and strategy in (None, "similarity"):
         sim = json.loads(Path(similarity).read_text())
         matrices = {k: torch.tensor(sim["metrics"][k], dtype=torch.float64)
                     for k in ("linear_cka", "debiased_cka", "rsa")}
         name = "similarity"
     else:
         matrices = {k: torch.zeros(n_cloud, n_edge) for k in ("linear_cka", "debiased_cka", "rsa")}
-        name = "uniform"
+        name = strategy or "uniform"
     mapping = build_mapping(name, matrices, MappingParams(0))
     return [(p["edge_layer"], p["cloud_layer"]) for p in mapping["pairs"]], name
 
@@ -76,11 +78,12 @@ def main() -> None:
     ap.add_argument("--calib-tokens", type=int, default=256)
     ap.add_argument("--heldout-offset", type=int, default=2000)
     ap.add_argument("--similarity", default=None)
+    ap.add_argument("--strategy", default=None, help="uniform or last-aligned mapping (without --similarity)")
     ap.add_argument("--out", default="runs/fidelity")
     ap.add_argument("--trained", default=None,
                     help="checkpoints of bench/train_translator.py to evaluate too: PATH or NAME=PATH,NAME=PATH")
     ap.add_argument("--fusers", default=None,
-                    help="fusers of bench/train_fuser.py: NAME=DIR,... (e.g. fuse=runs/fuser-bias-m12,self-fuse=...)")
+                    help="fusers of `edgekv train-fuser`: NAME=DIR,... (e.g. fuse=runs/fuser-bias-m12,self-fuse=...)")
     ap.add_argument("--replace", default="hidden", help="the translator reported as `replace` beside the fusers")
     args = ap.parse_args()
     splits = [int(m) for m in args.splits.split(",")]
@@ -88,7 +91,7 @@ def main() -> None:
     torch.manual_seed(0)
 
     cloud, edge = load_model("default-cloud"), load_model("default-edge")
-    pairs, mapping_name = full_depth_pairs(args.similarity, cloud.num_layers, edge.num_layers)
+    pairs, mapping_name = full_depth_pairs(args.similarity, cloud.num_layers, edge.num_layers, args.strategy)
     calib = sharegpt_texts(args.calib_texts, offset=0)
     seqs = tokenize(edge.tokenizer, calib.texts, args.calib_tokens, min_tokens=2)
     start = time.perf_counter()

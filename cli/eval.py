@@ -26,7 +26,7 @@ def eval_(
     latency_ms: Optional[float] = typer.Option(None, help="Link latency per file [20]."),
     translator: Optional[str] = typer.Option(None, help="ce-lslm's translator: ridge, hidden, trained [hidden]."),
     translator_path: Optional[Path] = typer.Option(None, help="A saved translator for ce-lslm [fit one]."),
-    fuser_path: Optional[Path] = typer.Option(None, help="A trained fuser for ce-lslm-fuse (bench.train_fuser)."),
+    fuser_path: Optional[Path] = typer.Option(None, help="A trained fuser for ce-lslm-fuse (`edgekv train-fuser`)."),
     seed: Optional[int] = typer.Option(None, help="Sampling seed of the requests [0]."),
     load_rates: Optional[str] = typer.Option(None, help="Poisson load runs at these requests/s, e.g. 0.1,0.25,0.5."),
     load_seconds: Optional[float] = typer.Option(None, help="Length of each load run [20]."),

@@ -1,6 +1,7 @@
 """`edgekv eval` on tiny models: every strategy × dataset fixture, resumption, metrics, bad input."""
 
 import json
+import statistics
 
 import pytest
 from typer.testing import CliRunner
@@ -199,3 +200,18 @@ def test_ce_lslm_fuse_with_shut_gates_answers_as_edge_only(tiny_models, data, al
         assert r["answer"] == alone["answer"] and r["upload_ratio"] == 0.0
         assert r["ref_nll"] == pytest.approx(alone["ref_nll"], abs=1e-4)
         assert r["bytes_cloud_to_edge"] > 0 and r["layer_sources"] == ["export"]
+
+
+def test_paired_differences_to_edge_only():
+    from edgekv.eval.report import paired_to_edge
+
+    rows = [{"dataset": "d", "strategy": s, "id": i, "ref_nll": v}
+            for i, (e, x) in enumerate([(1.0, 0.5), (2.0, 1.9), (3.0, 2.6)])
+            for s, v in (("edge-only", e), ("fuse", x))] + [{"dataset": "d", "strategy": "fuse", "id": 9,
+                                                             "ref_nll": 0.0}]  # no edge-only partner: left out
+    (p,) = paired_to_edge(rows)
+    d = [-0.5, -0.1, -0.4]
+    half = 4.302652729911275 * statistics.stdev(d) / 3 ** 0.5  # t(0.975, 2)
+    assert p["n"] == 3 and p["delta_mean"] == pytest.approx(sum(d) / 3)
+    assert (p["ci95_lo"], p["ci95_hi"]) == pytest.approx((sum(d) / 3 - half, sum(d) / 3 + half))
+    assert p["excludes_zero"] == (sum(d) / 3 + half < 0)

@@ -234,3 +234,31 @@ def test_compress_refuses_fuse_without_a_fuser_and_an_all_closed_fuser(tiny_mode
         run_compress(CompressConfig(out=str(tmp_path / "c"), splice="fuse", translator="fuse-bias",
                                     translator_path=str(tmp_path / "closed"), **base))
     assert not (tmp_path / "c").exists()
+
+
+def test_train_fuser_command_on_tiny_models(tiny_models, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    runner = CliRunner()
+    args = ["train-fuser", "--cloud", tiny_models["cloud"], "--edge", tiny_models["edge"], "--start-layer", "1",
+            "--train-texts", "4", "--gate-texts", "2", "--steps", "6", "--out", str(tmp_path / "f"),
+            "--cache", str(tmp_path / "cache")]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    gates = json.loads((tmp_path / "f" / "gates.json").read_text())
+    assert gates["steps"] == 6 and gates["train_texts"] == 4 and gates["pairs"] == [[1, 2], [2, 3]]
+    assert gates["chosen_nll"] <= gates["closed_nll"]
+    assert (tmp_path / "f" / "loss_curve.png").stat().st_size > 0
+    fuser = load_translator(tmp_path / "f")
+    assert isinstance(fuser, BiasFuser) and fuser.open_layers() == gates["open"]
+    assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 6
+    again = runner.invoke(app, args[:-4] + ["--steps", "8"] + args[-4:])  # resumes from step 6
+    assert again.exit_code == 0, again.output
+    log = json.loads((tmp_path / "f" / "log.json").read_text())
+    assert [e["step"] for e in log] == list(range(0, 9))
+    bad = runner.invoke(app, ["train-fuser", "--gate", "nope"])
+    assert bad.exit_code == 1 and "unknown --gate 'nope'" in bad.output and "Traceback" not in bad.output

@@ -74,7 +74,7 @@ class EvalConfig:
     prune_ratio: float = 0.5
     quant: str = "int8"
     local_sink_tokens: int = 1
-    fuser_path: str | None = None  # ce-lslm-fuse: a trained fuser (`edgekv train-fuser` / bench.train_fuser)
+    fuser_path: str | None = None  # ce-lslm-fuse: a trained fuser (`edgekv train-fuser`)
     bertscore: str = "minilm"
     load_rates: list[float] = field(default_factory=list)  # requests/s for Poisson load runs; [] skips them
     load_seconds: float = 20.0
@@ -106,7 +106,7 @@ class EvalConfig:
             raise EdgeKVError(f"unknown translator '{self.translator}' (choose from {', '.join(TRANSLATORS)})")
         if "ce-lslm-fuse" in self.strategies and not self.fuser_path:
             raise EdgeKVError("strategy ce-lslm-fuse needs fuser_path (a trained fuser, e.g. from "
-                              "`python -m bench.train_fuser`)")
+                              "`edgekv train-fuser`)")
         if self.translator == "trained" and not self.translator_path:
             raise EdgeKVError("translator 'trained' needs translator_path (a checkpoint of bench.train_translator)")
 

@@ -48,6 +48,41 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
+def paired_to_edge(rows: list[dict], key: str = "ref_nll", reference: str = "edge-only") -> list[dict]:
+    """Per (dataset, strategy): mean difference of `key` to the reference strategy on the same requests, with a
+    95 % Student t-interval over requests (paired, so request difficulty cancels)."""
+    from scipy.stats import t as student
+
+    ref = {(r["dataset"], r["id"]): r.get(key) for r in rows if r["strategy"] == reference}
+    groups: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        base = ref.get((r["dataset"], r["id"]))
+        if r["strategy"] != reference and r.get(key) is not None and base is not None:
+            groups.setdefault((r["dataset"], r["strategy"]), []).append(r[key] - base)
+    out = []
+    for (dataset, strategy), d in groups.items():
+        mean = sum(d) / len(d)
+        half = None
+        if len(d) > 1:
+            sd = statistics.stdev(d)
+            half = float(student.ppf(0.975, len(d) - 1)) * sd / len(d) ** 0.5
+        lo, hi = (None, None) if half is None else (mean - half, mean + half)
+        out.append({"dataset": dataset, "strategy": strategy, "n": len(d), "delta_mean": mean, "ci95_lo": lo,
+                    "ci95_hi": hi, "excludes_zero": lo is not None and (lo > 0 or hi < 0)})
+    return out
+
+
+def paired_table(paired: list[dict], what: str) -> str:
+    """Markdown table of paired differences to edge-only."""
+    lines = [f"| dataset | strategy | n | Δ {what} vs edge-only | 95 % CI | excludes 0 |",
+             "|---|---|---:|---:|---|---|"]
+    for p in paired:
+        ci = "–" if p["ci95_lo"] is None else f"[{p['ci95_lo']:+.3f}, {p['ci95_hi']:+.3f}]"
+        lines.append(f"| {p['dataset']} | {p['strategy']} | {p['n']} | {p['delta_mean']:+.3f} | {ci} | "
+                     f"{'yes' if p['excludes_zero'] else 'no'} |")
+    return "\n".join(lines)
+
+
 def _fmt(v, digits: int = 3) -> str:
     if v is None:
         return "–"
@@ -148,6 +183,11 @@ def write_report(out: Path, rows: list[dict], config: dict, scorer: str | None, 
           "overlapping the load (ce-lslm-fuse); the cloud's own KV computation is "
           "`cloud_s` in summary.csv (it happens ahead of the request). Memory: base = model weights; inference = "
           "the request's KV cache at the end of generation.", "", "![TTFT](ttft.png)", ""]
+    paired = paired_to_edge(rows)
+    if paired:
+        md += ["## Reference NLL, paired with edge-only", "",
+               "Each strategy's reference NLL minus edge-only's on the same requests (negative: better than the edge "
+               "alone); 95 % Student t-interval over requests.", "", paired_table(paired, "ref. NLL"), ""]
     if load:
         buf = io.StringIO()
         writer = csv.DictWriter(buf, fieldnames=list(load[0]))

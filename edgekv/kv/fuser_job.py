@@ -1,0 +1,170 @@
+"""`edgekv train-fuser`: fit `hidden`'s maps, train a fuser's gates towards the cloud, choose its hard gates.
+
+Texts (ShareGPT, file order): calibration for the maps 0..calib_texts−1; training from `train_offset`;
+gate choice (held out) from `gate_offset`; all before the fidelity bench's held-out texts (2000 on) and the
+eval's (5000 on). `self_fuse` trains the same fuser edge → edge: the adapter-only control. The out directory
+holds translator.safetensors + translator.json (the fuser, usable by `compress --splice fuse` and eval's
+`fuser_path`), state.safetensors + progress.json (resume), log.json, gates.json and loss_curve.png.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from edgekv import EdgeKVError
+from edgekv.align.align_job import tokenize
+from edgekv.align.mapping import MappingParams, build_mapping
+from edgekv.atomic import write_text_atomic
+from edgekv.config import command_config, to_dict
+from edgekv.kv.fuser_training import choose_gates, prepare, train
+from edgekv.kv.translators import TRANSLATORS, HiddenTranslator, save_translator
+from edgekv.models.capture import capture
+from edgekv.models.loading import DTYPES, check_tokenizers, load_model
+from edgekv.plots import loss_curve
+from edgekv.progress import Steps
+from edgekv.texts import iter_sharegpt, render_conversation, sharegpt_texts, split_texts
+
+GATES = ("fuse-bias", "fuse-residual")
+DEFAULT_LR = {"fuse-bias": 0.05, "fuse-residual": 3e-4}
+
+
+@command_config("train_fuser")
+@dataclass
+class TrainFuserConfig:
+    """Everything `edgekv train-fuser` needs; see configs/train_fuser.yaml."""
+
+    out: str = "runs/fuser-m12"
+    cloud: str = "default-cloud"
+    edge: str = "default-edge"
+    dtype: str = "bfloat16"
+    gate: str = "fuse-bias"
+    self_fuse: bool = False  # edge → edge: the adapter-only control
+    mapping: str | None = None  # mapping.json of `edgekv align`; None: `strategy` from `start_layer`
+    strategy: str = "last-aligned"  # uniform | last-aligned (C2C pairs layers from the last one back)
+    start_layer: int = 12
+    calib_texts: int = 32
+    calib_tokens: int = 256
+    train_texts: int = 120
+    train_offset: int = 100
+    gate_texts: int = 24
+    gate_offset: int = 1500
+    prefix_tokens: int = 256
+    cont_tokens: int = 64
+    top_k: int = 64
+    lr: float | None = None  # None: 0.05 (bias), 3e-4 (residual)
+    rank: int = 32  # fuse-residual's hidden width
+    ce_weight: float = 0.0
+    steps: int = 2000
+    minutes: float = 10.0
+    eval_every: int = 25
+    gate_margin: float = 0.0  # keep open gates only if they beat all-closed by this many nats/token
+    seed: int = 0
+    cache: str = "runs/fuser-cache"
+
+    def validate(self) -> None:
+        """One-line errors for out-of-range values, before any model is loaded."""
+        if self.gate not in GATES:
+            raise EdgeKVError(f"unknown --gate '{self.gate}' (choose from {', '.join(GATES)})")
+        if self.strategy not in ("uniform", "last-aligned"):
+            raise EdgeKVError(f"--strategy must be uniform or last-aligned, got '{self.strategy}'")
+        if self.dtype not in DTYPES:
+            raise EdgeKVError(f"unknown dtype '{self.dtype}' (choose from {', '.join(DTYPES)})")
+        if min(self.train_texts, self.gate_texts, self.steps, self.eval_every, self.top_k, self.rank) < 1:
+            raise EdgeKVError("train_texts, gate_texts, steps, eval_every, top_k and rank must be ≥ 1")
+        if self.calib_texts < 3 or self.prefix_tokens < 2 or self.cont_tokens < 2:
+            raise EdgeKVError("calib_texts must be ≥ 3, prefix_tokens and cont_tokens ≥ 2")
+        if self.minutes <= 0 or (self.lr is not None and self.lr <= 0):
+            raise EdgeKVError("--minutes and --lr must be > 0")
+        if self.mapping is not None and not Path(self.mapping).is_file():
+            raise EdgeKVError(f"mapping file not found: {self.mapping}")
+
+
+def layer_pairs(cfg: TrainFuserConfig, n_cloud: int, n_edge: int) -> list[tuple[int, int]]:
+    """(edge layer, cloud layer) for edge layers ≥ start_layer: align's mapping.json, else the strategy."""
+    if cfg.mapping:
+        try:
+            pairs = [(int(p["edge_layer"]), int(p["cloud_layer"])) for p in json.loads(
+                Path(cfg.mapping).read_text())["pairs"]]
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise EdgeKVError(f"{cfg.mapping}: not a mapping.json of edgekv align ({exc})") from exc
+        return [(i, j) for i, j in pairs if i >= cfg.start_layer and j < n_cloud and i < n_edge]
+    if not 0 <= cfg.start_layer < n_edge:
+        raise EdgeKVError(f"--start-layer {cfg.start_layer} is out of range: the edge model has {n_edge} layers")
+    zeros = {k: torch.zeros(n_cloud, n_edge) for k in ("linear_cka", "debiased_cka", "rsa")}
+    mapping = build_mapping(cfg.strategy, zeros, MappingParams(cfg.start_layer))
+    return [(p["edge_layer"], p["cloud_layer"]) for p in mapping["pairs"]]
+
+
+def _sharegpt_split(tokenizer, offset: int, count: int, prefix: int, cont: int):
+    records = (render_conversation(r) for k, r in enumerate(iter_sharegpt()) if k >= offset)
+    texts = split_texts(tokenizer, records, "sharegpt", prefix, cont, count)
+    if len(texts) < count:
+        raise EdgeKVError(f"only {len(texts)} ShareGPT conversations from record {offset} have {prefix}+{cont} tokens")
+    return texts
+
+
+def run_train_fuser(cfg: TrainFuserConfig, progress=None) -> dict:
+    """Train (resuming from cfg.out), choose the hard gates, write the fuser and its evidence; return gates.json."""
+    cfg.validate()
+    out = Path(cfg.out)
+    steps = Steps(progress)
+    edge = load_model(cfg.edge, cfg.dtype)
+    cloud = edge if cfg.self_fuse else load_model(cfg.cloud, cfg.dtype)
+    check_tokenizers(cloud.tokenizer, edge.tokenizer)
+    pairs = layer_pairs(cfg, cloud.num_layers, edge.num_layers)
+    if not pairs:
+        raise EdgeKVError("no layer pairs from --start-layer on")
+    pair = (cloud.fingerprint, edge.fingerprint)
+    seqs = tokenize(edge.tokenizer, sharegpt_texts(cfg.calib_texts).texts, cfg.calib_tokens, min_tokens=2)
+    with torch.no_grad():
+        hidden = HiddenTranslator().fit(
+            capture(cloud.model, seqs, ("hidden_in",), on_text=steps.task("calibration: cloud", len(seqs))),
+            capture(edge.model, seqs, ("hidden_in",), on_text=steps.task("calibration: edge", len(seqs))),
+            pairs, edge.model)
+    extra = {"rank": cfg.rank, "seed": cfg.seed} if cfg.gate == "fuse-residual" else {}
+    fuser = TRANSLATORS[cfg.gate].from_hidden(hidden, edge.model, source="edge" if cfg.self_fuse else "cloud",
+                                              **extra)
+    train_texts = _sharegpt_split(edge.tokenizer, cfg.train_offset, cfg.train_texts, cfg.prefix_tokens,
+                                  cfg.cont_tokens)
+    gate_texts = _sharegpt_split(edge.tokenizer, cfg.gate_offset, cfg.gate_texts, cfg.prefix_tokens, cfg.cont_tokens)
+    start = time.perf_counter()
+    examples = prepare(edge, cloud, train_texts, fuser, pair, cfg.top_k, cfg.cache,
+                       on_text=steps.task("features: training texts", len(train_texts)))
+    held = prepare(edge, cloud, gate_texts, fuser, pair, cfg.top_k, cfg.cache,
+                   on_text=steps.task("features: gate-choice texts", len(gate_texts)))
+    prepared_s = time.perf_counter() - start
+    deadline = time.perf_counter() + 60 * cfg.minutes
+    log = train(edge, fuser, examples, held, cfg.steps, lr=cfg.lr or DEFAULT_LR[cfg.gate], ce_weight=cfg.ce_weight,
+                seed=cfg.seed, checkpoint=out, every=cfg.eval_every, on_step=steps.task("train", cfg.steps),
+                stop=lambda s: time.perf_counter() > deadline, pair=pair)
+    trained_s = time.perf_counter() - start - prepared_s
+    gates = choose_gates(edge, fuser, held, cfg.gate_margin)
+    save_translator(fuser, out, *pair)  # now with its hard gates
+    tail = [e["held_out_kl"] for e in log if "held_out_kl" in e]
+    gates.update({"gate": cfg.gate, "pairs": pairs, "self_fuse": cfg.self_fuse, "train_texts": len(examples),
+                  "gate_texts": len(held), "train_tokens": sum(e.continuation.numel() - 1 for e in examples),
+                  "prepare_s": prepared_s, "train_s": trained_s, "steps": log[-1]["step"],
+                  "held_out_kl_first_last": [tail[0], tail[-1]] if tail else None,
+                  "held_out_kl_slope_per_100_steps": _end_slope(log), "config": to_dict(cfg)})
+    write_text_atomic(out / "gates.json", json.dumps(gates, indent=1))
+    write_text_atomic(out / "log.json", json.dumps(log))
+    loss_curve(log, out / "loss_curve.png", f"{cfg.gate} {'edge→edge' if cfg.self_fuse else 'cloud→edge'}, "
+                                            f"from layer {cfg.start_layer}, {len(examples)} texts")
+    return gates
+
+
+def _end_slope(log: list[dict]) -> float | None:
+    """Least-squares slope of the held-out KL over the last half of its measurements, per 100 steps."""
+    pts = [(e["step"], e["held_out_kl"]) for e in log if "held_out_kl" in e]
+    pts = pts[len(pts) // 2:]
+    if len(pts) < 2:
+        return None
+    x = torch.tensor([p[0] for p in pts], dtype=torch.float64)
+    y = torch.tensor([p[1] for p in pts], dtype=torch.float64)
+    x = x - x.mean()
+    return float((x * (y - y.mean())).sum() / (x * x).sum() * 100)
