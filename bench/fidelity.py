@@ -8,8 +8,9 @@ Translators are fitted on ShareGPT calibration conversations (file order from 0)
 conversations from record --heldout-offset on and XSum documents (data/xsum), reported separately. Prints one
 table per source: rows = conditions, columns = split layer m, cells = mean NLL (nats/token) ± standard error
 over texts, then the same for top-1 agreement with the edge's full prefill and with the cloud. With --fusers it
-also scores each fuser, `fuse-closed` (the fused path, every gate closed) and writes summary_ci95.json: per source
-and condition {n, delta_mean, delta_ci95} of the paired NLL difference to the edge's own prefill.
+also scores each fuser and `fuse-closed` (the fused path, every gate closed), and summary.json becomes, per source
+and condition, {n, delta_mean, delta_ci95} of the paired NLL difference to the edge's own prefill (95 % t-interval;
+the per-condition details go to details.json).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from edgekv.kv.training import load_trained
 from edgekv.kv.translators import TRANSLATORS, load_translator
 from edgekv.models.capture import capture
 from edgekv.models.loading import load_model
+from edgekv.plots import interval_plot
 from edgekv.texts import iter_sharegpt, render_conversation, sharegpt_texts, split_texts, xsum_documents
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,6 +87,7 @@ def main() -> None:
     ap.add_argument("--fusers", default=None,
                     help="fusers of `edgekv train-fuser`: NAME=DIR,... (e.g. fuse=runs/fuser-bias-m12,self-fuse=...)")
     ap.add_argument("--replace", default="hidden", help="the translator reported as `replace` beside the fusers")
+    ap.add_argument("--primary", default=None, help="the fuser also reported as `fuse` (and self-NAME as `self-fuse`)")
     args = ap.parse_args()
     splits = [int(m) for m in args.splits.split(",")]
     sinks = [int(x) for x in args.sink.split(",")]
@@ -134,16 +137,23 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (out / "summary.json").write_text(json.dumps({"args": vars(args), "mapping": mapping_name, "pairs": pairs,
-                                                  "fit": {k: t.info for k, t in translators.items()},
-                                                  "summary": summary}, indent=1))
+    # with fusers, summary.json is the paired-Δ table below and these details move to details.json
+    details = {"args": vars(args), "mapping": mapping_name, "pairs": pairs,
+               "fit": {k: t.info for k, t in translators.items()}, "summary": summary}
+    (out / ("details.json" if fusers else "summary.json")).write_text(json.dumps(details, indent=1))
     if fusers:  # paired Δ NLL with 95 % intervals, in the shape reports/fidelity-fuse/summary.json has
         m = min(min(f.info) for f in fusers.values())
         names = {("edge", None): "edge", ("cloud", None): "cloud", ("no-prefix", None): "no-prefix",
                  (args.replace, m): "replace", (f"noise:{args.replace}", m): "noise", ("fuse-closed", m): "fuse-closed",
                  **{(name, min(f.info)): name for name, f in fusers.items()}}
         ci = delta_ci95(rows, names)
-        (out / "summary_ci95.json").write_text(json.dumps(ci, indent=1))
+        if args.primary:  # the default fuser is also reported as `fuse`, its self-fusion control as `self-fuse`
+            for conditions in ci.values():
+                for alias, name in (("fuse", args.primary), ("self-fuse", f"self-{args.primary}")):
+                    if name in conditions:
+                        conditions[alias] = dict(conditions[name], of=name)
+        (out / "summary.json").write_text(json.dumps(ci, indent=1))
+        interval_plot(ci, out / "delta_nll.png", "Δ NLL vs the edge's own prefill (nats/token, 95 % CI)")
         for source, conditions in ci.items():
             print(f"{source}: Δ NLL vs the edge's own prefill (nats/token), 95 % t-interval")
             for name, c in conditions.items():

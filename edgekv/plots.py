@@ -57,3 +57,27 @@ def loss_curve(log: list[dict], path: str | Path, title: str) -> None:
     fig.savefig(tmp, dpi=120)
     plt.close(fig)
     tmp.replace(path)
+
+
+def interval_plot(ci: dict[str, dict[str, dict]], path: str | Path, title: str) -> None:
+    """Forest plot: per source a panel, per condition its mean and 95 % interval, zero marked."""
+    sources = list(ci)
+    fig, axes = plt.subplots(1, len(sources), figsize=(5.5 * len(sources), 0.45 * max(map(len, ci.values())) + 1.4),
+                             squeeze=False)
+    for ax, source in zip(axes[0], sources):
+        names = [n for n in ci[source] if "of" not in ci[source][n]]  # aliases are drawn once, under their name
+        means = [ci[source][n]["delta_mean"] for n in names]
+        lo = [m - ci[source][n]["delta_ci95"][0] for m, n in zip(means, names)]
+        hi = [ci[source][n]["delta_ci95"][1] - m for m, n in zip(means, names)]
+        ax.errorbar(means, range(len(names)), xerr=[lo, hi], fmt="o", capsize=3)
+        ax.axvline(0, color="0.5", lw=0.8)
+        ax.set_yticks(range(len(names)), names)
+        ax.invert_yaxis()
+        ax.set_title(f"{source} (n = {ci[source][names[0]]['n']})")
+        ax.set_xlabel("Δ NLL (nats/token)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    tmp = Path(path).with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)

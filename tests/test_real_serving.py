@@ -36,3 +36,32 @@ def test_spliced_greedy_equals_generate_float32(tmp_path, start_layer):
                 session.prefix_len, session.prefix_len + len(u))[None]).logits[0, -1]
         assert (got_logits - want_logits).abs().max() < 1e-4
         assert session.complete(user, SamplingParams(max_new_tokens=32)).token_ids == want
+
+
+def test_fuse_export_with_shut_gates_decodes_as_the_edge_alone_float32(tmp_path):
+    """A fuse export on the real pair whose gates are open but shut (bias −10⁴): the edge's answers, token for
+    token, and first-step logits within 1e-4 of a plain edge session (the fused path is really taken)."""
+    from edgekv.kv.fusers import BiasFuser
+    from edgekv.kv.translators import HiddenTranslator, save_translator
+    from edgekv.models.capture import capture
+    from edgekv.texts import sharegpt_texts
+
+    cloud, edge = load_model("default-cloud", "float32"), load_model("default-edge", "float32")
+    seqs = [torch.tensor(edge.tokenizer(t)["input_ids"][:48]) for t in sharegpt_texts(4).texts]
+    hidden = HiddenTranslator().fit(capture(cloud.model, seqs, ("hidden_in",)),
+                                    capture(edge.model, seqs, ("hidden_in",)), [(22, 26), (23, 27)], edge.model)
+    fuser = BiasFuser.from_hidden(hidden, edge.model, init=-1e4)
+    fuser.set_open([22, 23])
+    save_translator(fuser, tmp_path / "fuser", cloud.fingerprint, edge.fingerprint)
+    run_compress(CompressConfig(out=str(tmp_path / "kv"), system_prompt=SYSTEM, dtype="float32", quant="fp16",
+                                splice="fuse", translator="fuse-bias", translator_path=str(tmp_path / "fuser")),
+                 models=(cloud, edge))
+    fused = EdgeSession(edge, str(tmp_path / "kv"), cache_dir=tmp_path / "cache")
+    alone = EdgeSession(edge, None, SYSTEM)
+    assert fused.describe()["fused_layers"] == [22, 23]
+    for session in (fused, alone):
+        session._eos_ids = lambda: set()
+    for user in USERS:
+        got, want = (s.complete(user, SamplingParams(max_new_tokens=24)) for s in (fused, alone))
+        assert (got.first_logits - want.first_logits).abs().max() < 1e-4
+        assert got.token_ids == want.token_ids
