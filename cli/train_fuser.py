@@ -30,6 +30,7 @@ def train_fuser(
     lr: Optional[float] = typer.Option(None, help="Adam learning rate [0.05 bias, 3e-4 residual]."),
     ce_weight: Optional[float] = typer.Option(None, help="Weight of cross-entropy on the text beside the KL [0]."),
     cache: Optional[Path] = typer.Option(None, help="Feature cache (safetensors per text) [runs/fuser-cache]."),
+    ship: Optional[Path] = typer.Option(None, help="Also write the compact fuser (open layers, fp16 maps) here."),
     seed: Optional[int] = typer.Option(None, help="Seed [0]."),
     config: Optional[Path] = typer.Option(None, help="YAML config, e.g. configs/train_fuser.yaml."),
 ) -> None:
@@ -37,7 +38,8 @@ def train_fuser(
     overrides = dict(out=str(out) if out else None, cloud=cloud, edge=edge, gate=gate, self_fuse=self_fuse,
                      mapping=str(mapping) if mapping else None, strategy=strategy, start_layer=start_layer,
                      train_texts=train_texts, gate_texts=gate_texts, steps=steps, minutes=minutes, lr=lr,
-                     ce_weight=ce_weight, cache=str(cache) if cache else None, seed=seed)
+                     ce_weight=ce_weight, cache=str(cache) if cache else None, seed=seed,
+                     ship=str(ship) if ship else None)
     cfg = load_config(TrainFuserConfig, "train_fuser", config, overrides)
     with progress_bar() as progress:
         gates = run_train_fuser(cfg, progress)

@@ -262,3 +262,19 @@ def test_train_fuser_command_on_tiny_models(tiny_models, tmp_path):
     assert [e["step"] for e in log] == list(range(0, 9))
     bad = runner.invoke(app, ["train-fuser", "--gate", "nope"])
     assert bad.exit_code == 1 and "unknown --gate 'nope'" in bad.output and "Traceback" not in bad.output
+
+
+def test_compact_fuser_keeps_open_layers_in_float16_and_loads(calib_file, tmp_path):
+    _, edge, fuser, _ = _pair(tmp_path, calib_file)
+    fuser.gate_bias[2] = torch.tensor([0.5, -1.0])
+    fuser.set_open([2])
+    small = fuser.compact()
+    assert sorted(small.info) == [2] and sorted(small.gate_bias) == [2]
+    save_translator(small, tmp_path / "s", "c", "e")
+    back = load_translator(tmp_path / "s", "c", "e")
+    assert back.open_layers() == [2] and back.maps[2].weight.dtype == torch.float32
+    assert torch.equal(back.maps[2].weight, fuser.maps[2].weight.half().float())
+    assert torch.equal(back.gate_bias[2], fuser.gate_bias[2])
+    big = (tmp_path / "s" / "translator.safetensors").stat().st_size
+    save_translator(fuser, tmp_path / "f", "c", "e")
+    assert big < (tmp_path / "f" / "translator.safetensors").stat().st_size / 3

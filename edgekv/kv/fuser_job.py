@@ -65,6 +65,7 @@ class TrainFuserConfig:
     gate_margin: float = 0.0  # keep open gates only if they beat all-closed by this many nats/token
     seed: int = 0
     cache: str = "runs/fuser-cache"
+    ship: str | None = None  # also write the compact fuser (open layers, float16 maps) here, for committing
 
     def validate(self) -> None:
         """One-line errors for out-of-range values, before any model is loaded."""
@@ -145,6 +146,8 @@ def run_train_fuser(cfg: TrainFuserConfig, progress=None) -> dict:
     trained_s = time.perf_counter() - start - prepared_s
     gates = choose_gates(edge, fuser, held, cfg.gate_margin)
     save_translator(fuser, out, *pair)  # now with its hard gates
+    if cfg.ship and fuser.open_layers():
+        save_translator(fuser.compact(), cfg.ship, *pair)
     tail = [e["held_out_kl"] for e in log if "held_out_kl" in e]
     gates.update({"gate": cfg.gate, "pairs": pairs, "self_fuse": cfg.self_fuse, "train_texts": len(examples),
                   "gate_texts": len(held), "train_tokens": sum(e.continuation.numel() - 1 for e in examples),

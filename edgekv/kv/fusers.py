@@ -66,6 +66,20 @@ class Fuser(HiddenTranslator):
         """Drop the gate parameters of layers not in `keep`."""
         raise NotImplementedError
 
+    def compact(self) -> "Fuser":
+        """The fuser for shipping: its open layers only, the maps stored in float16 (applied in float32)."""
+        out = type(self)()
+        out.info = {i: dict(self.info[i]) for i in self.open_layers()}
+        out.maps = {i: RidgeMap(self.maps[i].weight.half(), self.maps[i].bias.half(), self.maps[i].alpha)
+                    for i in out.info}
+        out.load_gates({k: v.clone() for k, v in self.gate_tensors().items()})
+        out.drop_gates(set(out.info))
+        return out
+
+    def load_gates(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Set the gate parameters from named tensors (as `gate_tensors` names them)."""
+        raise NotImplementedError
+
     def fuse(self, edge_model, own: dict[int, KVPair], cloud: dict[int, KVPair],
              layers: list[int] | None = None) -> tuple[dict[int, KVPair], dict[int, CloudSegment]]:
         """(replacement own KV, cloud segments) for `layers` (default: the open ones); KV is (kv_heads, S, d)."""
@@ -109,10 +123,14 @@ class BiasFuser(Fuser):
     def drop_gates(self, keep: set[int]) -> None:
         self.gate_bias = {i: b for i, b in self.gate_bias.items() if i in keep}
 
+    def load_gates(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.gate_bias = {int(k.split(".")[0]): v.float().clone() for k, v in tensors.items()
+                          if k.endswith(".gate_bias")}
+
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Inverse of `tensors`."""
         super().load_tensors(tensors)
-        self.gate_bias = {i: tensors[f"{i}.gate_bias"].clone() for i in self.info}
+        self.load_gates({f"{i}.gate_bias": tensors[f"{i}.gate_bias"] for i in self.info})
 
 
 def _rms(x: torch.Tensor) -> torch.Tensor:
@@ -164,7 +182,10 @@ class ResidualFuser(Fuser):
     def drop_gates(self, keep: set[int]) -> None:
         self.res = {k: v for k, v in self.res.items() if int(k.split(".")[0]) in keep}
 
+    def load_gates(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.res = {k: v.float().clone() for k, v in tensors.items() if k.split(".", 1)[1] in self.PARTS}
+
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Inverse of `tensors`."""
         super().load_tensors(tensors)
-        self.res = {f"{i}.{p}": tensors[f"{i}.{p}"].clone() for i in self.info for p in self.PARTS}
+        self.load_gates({f"{i}.{p}": tensors[f"{i}.{p}"] for i in self.info for p in self.PARTS})

@@ -38,7 +38,7 @@ class RidgeMap:
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str, alpha: float) -> "RidgeMap":
         """Inverse of `tensors`."""
-        return cls(tensors[f"{prefix}.weight"], tensors[f"{prefix}.bias"], alpha)
+        return cls(tensors[f"{prefix}.weight"].float(), tensors[f"{prefix}.bias"].float(), alpha)
 
 
 def r2_score(y: torch.Tensor, y_hat: torch.Tensor) -> float:
@@ -259,7 +259,9 @@ def translator_files(translator, cloud_fingerprint: str, edge_fingerprint: str) 
     """The two files of a saved translator, as bytes."""
     from safetensors.torch import save as st_save
 
-    blob = st_save({k: v.detach().contiguous().float() for k, v in translator.tensors().items()})
+    # float16 stays float16 (a compact fuser's maps); everything else is stored as float32
+    blob = st_save({k: v.detach().contiguous() if v.dtype == torch.float16 else v.detach().contiguous().float()
+                    for k, v in translator.tensors().items()})
     config = {"format": "edgekv-translator", "version": 1, "name": translator.name,
               "info": {str(i): v for i, v in sorted(translator.info.items())},
               "cloud_fingerprint": cloud_fingerprint, "edge_fingerprint": edge_fingerprint,
