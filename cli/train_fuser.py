@@ -27,7 +27,7 @@ def train_fuser(
     gate_texts: Optional[int] = typer.Option(None, help="Held-out texts that choose the hard gates [24]."),
     steps: Optional[int] = typer.Option(None, help="Most training steps (one text each) [2000]."),
     minutes: Optional[float] = typer.Option(None, help="Training time budget [10]."),
-    lr: Optional[float] = typer.Option(None, help="Adam learning rate [0.05 bias, 3e-4 residual]."),
+    lr: Optional[float] = typer.Option(None, help="Adam learning rate [0.05 bias, 1e-3 residual]."),
     ce_weight: Optional[float] = typer.Option(None, help="Weight of cross-entropy on the text beside the KL [0]."),
     cache: Optional[Path] = typer.Option(None, help="Feature cache (safetensors per text) [runs/fuser-cache]."),
     ship: Optional[Path] = typer.Option(None, help="Also write the compact fuser (open layers, fp16 maps) here."),

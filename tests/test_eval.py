@@ -215,3 +215,24 @@ def test_paired_differences_to_edge_only():
     assert p["n"] == 3 and p["delta_mean"] == pytest.approx(sum(d) / 3)
     assert (p["ci95_lo"], p["ci95_hi"]) == pytest.approx((sum(d) / 3 - half, sum(d) / 3 + half))
     assert p["excludes_zero"] == (sum(d) / 3 + half < 0)
+
+
+def test_load_rows_are_reused_only_under_the_same_load_settings(tmp_path):
+    from types import SimpleNamespace
+
+    from edgekv.eval.eval_job import load_curves, reusable_load
+    from edgekv.progress import Steps
+
+    cfg = EvalConfig(out=str(tmp_path), strategies=["edge-only", "ce-lslm"], load_rates=[0.1, 0.5], load_seconds=30)
+    (tmp_path / "config.json").write_text(json.dumps({"load_seconds": 30, "load_dataset": "mmlu",
+                                                      "load_max_tokens": 16, "seed": 0}))
+    (tmp_path / "load.csv").write_text(
+        "strategy,rate,requests,errors,latency_mean_s,latency_p90_s,normalized_latency_s_per_token\n"
+        "edge-only,0.1,3,0,1.5,2.0,0.1\nedge-only,0.5,9,1,,,\nce-lslm,0.1,3,0,1.0,1.2,0.05\n"
+        "ce-lslm,0.5,9,0,1.1,1.3,0.06\n")
+    rows = reusable_load(tmp_path, cfg)
+    assert len(rows) == 4 and rows[1]["latency_mean_s"] is None and rows[0]["rate"] == 0.1
+    runner = SimpleNamespace(cfg=cfg)  # every (strategy, rate) is kept: no session is opened, nothing is run
+    assert load_curves(runner, [SimpleNamespace(system="s", user="u")], Steps(), rows) == rows
+    cfg.load_seconds = 10
+    assert reusable_load(tmp_path, cfg) == []

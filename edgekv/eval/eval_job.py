@@ -11,6 +11,7 @@ ships the cloud KV of a trained fuser's open layers and the edge fuses it with i
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import logging
@@ -328,6 +329,7 @@ def run_eval(cfg: EvalConfig, progress=None, models=None) -> dict:
         raise EdgeKVError(f"cannot write {out}: {exc.strerror or exc}") from exc
     if (out / "results.jsonl").exists():
         check_resumable(out, cfg)
+    earlier_load = reusable_load(out, cfg)
     write_text_atomic(out / "config.json", json.dumps(to_dict(cfg), indent=1))
     steps = Steps(progress)
     runner = Runner(cfg, out, steps, models)
@@ -352,21 +354,47 @@ def run_eval(cfg: EvalConfig, progress=None, models=None) -> dict:
             rows.append(row)
             advance()
     rows = [r for r in rows if r["dataset"] in cfg.datasets and r["strategy"] in cfg.strategies]
-    load = load_curves(runner, requests[cfg.load_dataset], steps) if cfg.load_rates else []
+    load = load_curves(runner, requests[cfg.load_dataset], steps, earlier_load) if cfg.load_rates else []
     scorer = runner.scorer.name if runner.scorer else None
     return write_report(out, rows, to_dict(cfg), scorer, {"cloud": runner.cloud.spec, "edge": runner.edge.spec},
                         load)
 
 
-def load_curves(runner: Runner, requests: list[Request], steps: Steps) -> list[dict]:
-    """Poisson load runs per strategy and rate (see load_runs.py)."""
+LOAD_KEYS = ("load_seconds", "load_dataset", "load_max_tokens", "seed")
+
+
+def reusable_load(out: Path, cfg: EvalConfig) -> list[dict]:
+    """Load-run rows of an earlier run in `out` made with the same load settings (so adding a strategy does not
+    rerun the others' load runs); [] when there are none or the settings differ."""
+    try:
+        before = json.loads((out / "config.json").read_text(encoding="utf-8"))
+        with (out / "load.csv").open(encoding="utf-8") as f:
+            rows = list(csv.DictReader(f))
+    except (OSError, json.JSONDecodeError):
+        return []
+    if any(before.get(k) != getattr(cfg, k) for k in LOAD_KEYS):
+        return []
+    number = lambda v: None if v in ("", None) else float(v)  # noqa: E731
+    return [{"strategy": r["strategy"], "rate": float(r["rate"]), "requests": int(r["requests"]),
+             "errors": int(r["errors"]), "latency_mean_s": number(r["latency_mean_s"]),
+             "latency_p90_s": number(r["latency_p90_s"]),
+             "normalized_latency_s_per_token": number(r["normalized_latency_s_per_token"])} for r in rows]
+
+
+def load_curves(runner: Runner, requests: list[Request], steps: Steps, earlier: list[dict] | None = None) -> list[dict]:
+    """Poisson load runs per strategy and rate (see load_runs.py); (strategy, rate) pairs in `earlier` are kept."""
     from edgekv.eval.load_runs import poisson_run, summarize_load
 
     cfg = runner.cfg
-    advance = steps.task("load runs", len(cfg.strategies) * len(cfg.load_rates))
+    kept = {(r["strategy"], r["rate"]): r for r in earlier or [] if r["strategy"] in cfg.strategies
+            and r["rate"] in cfg.load_rates}
+    advance = steps.task("load runs", len(cfg.strategies) * len(cfg.load_rates) - len(kept))
     system = requests[0].system
     out = []
     for strategy in cfg.strategies:
+        if all((strategy, rate) in kept for rate in cfg.load_rates):
+            out += [kept[(strategy, rate)] for rate in cfg.load_rates]
+            continue
         base = strategy.partition(":")[0]
         if base in SPLICES:
             export, _ = runner.export(strategy, system)
@@ -377,6 +405,9 @@ def load_curves(runner: Runner, requests: list[Request], steps: Steps) -> list[d
             prompts = [system + r.user for r in requests]
         session.wait_loaded()
         for rate in cfg.load_rates:
+            if (strategy, rate) in kept:
+                out.append(kept[(strategy, rate)])
+                continue
             rows = poisson_run(session, prompts, rate, cfg.load_seconds, cfg.load_max_tokens, cfg.seed)
             out.append(summarize_load(strategy, rate, rows))
             advance()

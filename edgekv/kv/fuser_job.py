@@ -30,7 +30,7 @@ from edgekv.progress import Steps
 from edgekv.texts import iter_sharegpt, render_conversation, sharegpt_texts, split_texts
 
 GATES = ("fuse-bias", "fuse-residual")
-DEFAULT_LR = {"fuse-bias": 0.05, "fuse-residual": 3e-4}
+DEFAULT_LR = {"fuse-bias": 0.05, "fuse-residual": 1e-3}
 
 
 @command_config("train_fuser")
@@ -56,7 +56,7 @@ class TrainFuserConfig:
     prefix_tokens: int = 256
     cont_tokens: int = 64
     top_k: int = 64
-    lr: float | None = None  # None: 0.05 (bias), 3e-4 (residual)
+    lr: float | None = None  # None: 0.05 (bias), 1e-3 (residual)
     rank: int = 32  # fuse-residual's hidden width
     ce_weight: float = 0.0
     steps: int = 2000
