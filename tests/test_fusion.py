@@ -278,3 +278,20 @@ def test_compact_fuser_keeps_open_layers_in_float16_and_loads(calib_file, tmp_pa
     big = (tmp_path / "s" / "translator.safetensors").stat().st_size
     save_translator(fuser, tmp_path / "f", "c", "e")
     assert big < (tmp_path / "f" / "translator.safetensors").stat().st_size / 3
+
+
+def test_self_fusion_features_come_from_the_edge_and_targets_from_the_cloud(calib_file, tmp_path):
+    cloud, edge, fuser, texts = _pair(tmp_path, calib_file)
+    seqs = [torch.cat([t.prefix, t.continuation]) for t in texts]
+    self_hidden = HiddenTranslator().fit(capture(edge.model, seqs, ("hidden_in",)),
+                                         capture(edge.model, seqs, ("hidden_in",)), [(1, 1), (2, 2)], edge.model)
+    self_fuser = BiasFuser.from_hidden(self_hidden, edge.model, source="edge")
+    cache = tmp_path / "cache"
+    from_cloud = prepare(edge, cloud, texts[:2], fuser, ("c", "e"), top_k=8, cache_dir=cache)
+    from_edge = prepare(edge, edge, texts[:2], self_fuser, ("e", "e"), top_k=8, cache_dir=cache, teacher=cloud)
+    for a, b in zip(from_cloud, from_edge):
+        assert torch.equal(a.top_ids, b.top_ids) and torch.equal(a.top_logp, b.top_logp)  # the cloud's targets
+        assert not torch.equal(a.cloud[1][0], b.cloud[1][0])  # the fused KV's source differs
+    assert len(list((cache / "targets").glob("*.safetensors"))) == 2  # computed once, shared
+    again = prepare(edge, edge, texts[:2], self_fuser, ("e", "e"), top_k=8, cache_dir=cache, teacher=cloud)
+    assert torch.equal(again[0].cloud[2][1], from_edge[0].cloud[2][1])

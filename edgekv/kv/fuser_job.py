@@ -2,7 +2,8 @@
 
 Texts (ShareGPT, file order): calibration for the maps 0..calib_texts−1; training from `train_offset`;
 gate choice (held out) from `gate_offset`; all before the fidelity bench's held-out texts (2000 on) and the
-eval's (5000 on). `self_fuse` trains the same fuser edge → edge: the adapter-only control. The out directory
+eval's (5000 on). `self_fuse` trains the same fuser edge → edge (the fused KV is the edge's own, the target still
+the cloud's distribution): the adapter-only control. The out directory
 holds translator.safetensors + translator.json (the fuser, usable by `compress --splice fuse` and eval's
 `fuser_path`), state.safetensors + progress.json (resume), log.json, gates.json and loss_curve.png.
 """
@@ -115,8 +116,9 @@ def run_train_fuser(cfg: TrainFuserConfig, progress=None) -> dict:
     out = Path(cfg.out)
     steps = Steps(progress)
     edge = load_model(cfg.edge, cfg.dtype)
-    cloud = edge if cfg.self_fuse else load_model(cfg.cloud, cfg.dtype)
-    check_tokenizers(cloud.tokenizer, edge.tokenizer)
+    teacher = load_model(cfg.cloud, cfg.dtype)  # the target is always the cloud's distribution
+    cloud = edge if cfg.self_fuse else teacher  # where the fused KV comes from
+    check_tokenizers(teacher.tokenizer, edge.tokenizer)
     pairs = layer_pairs(cfg, cloud.num_layers, edge.num_layers)
     if not pairs:
         raise EdgeKVError("no layer pairs from --start-layer on")
@@ -135,9 +137,9 @@ def run_train_fuser(cfg: TrainFuserConfig, progress=None) -> dict:
     gate_texts = _sharegpt_split(edge.tokenizer, cfg.gate_offset, cfg.gate_texts, cfg.prefix_tokens, cfg.cont_tokens)
     start = time.perf_counter()
     examples = prepare(edge, cloud, train_texts, fuser, pair, cfg.top_k, cfg.cache,
-                       on_text=steps.task("features: training texts", len(train_texts)))
+                       on_text=steps.task("features: training texts", len(train_texts)), teacher=teacher)
     held = prepare(edge, cloud, gate_texts, fuser, pair, cfg.top_k, cfg.cache,
-                   on_text=steps.task("features: gate-choice texts", len(gate_texts)))
+                   on_text=steps.task("features: gate-choice texts", len(gate_texts)), teacher=teacher)
     prepared_s = time.perf_counter() - start
     deadline = time.perf_counter() + 60 * cfg.minutes
     log = train(edge, fuser, examples, held, cfg.steps, lr=cfg.lr or DEFAULT_LR[cfg.gate], ce_weight=cfg.ce_weight,

@@ -56,21 +56,43 @@ def _key(text: HeldOutText, digest: str) -> str:
     return h.hexdigest()[:32]
 
 
+def _save_atomic(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_file({name: t.contiguous() for name, t in tensors.items()}, str(tmp))
+    tmp.replace(path)
+
+
+def _target_key(text: HeldOutText, teacher_fingerprint: str, top_k: int) -> str:
+    return _key(text, f"teacher:{teacher_fingerprint}:k={top_k}")
+
+
 @torch.no_grad()
-def _compute(edge, cloud, text: HeldOutText, fuser: Fuser, top_k: int) -> dict[str, torch.Tensor]:
+def _features(edge, source, text: HeldOutText, fuser: Fuser, top_k: int | None) -> dict[str, torch.Tensor]:
+    """Own prefix KV, the source's translated KV, and (top_k given) the source's top-k on the continuation."""
     full = torch.cat([text.prefix, text.continuation])
     p = text.prefix.numel()
     seen = []
-    acts = capture(cloud.model, [full], fuser.features, select=lambda t, n: torch.arange(p),
+    acts = capture(source.model, [full], fuser.features, select=lambda t, n: torch.arange(p),
                    on_output=lambda t, out: seen.append(out.logits[0, p:-1]))
-    top_logp, top_ids = torch.log_softmax(seen[0].float(), -1).topk(top_k, dim=-1)
     cache = edge.model(text.prefix[None], use_cache=True).past_key_values
-    out = {"prefix": text.prefix, "continuation": text.continuation, "top_ids": top_ids, "top_logp": top_logp}
+    out = {"prefix": text.prefix, "continuation": text.continuation}
+    if top_k:
+        out["top_logp"], out["top_ids"] = torch.log_softmax(seen[0].float(), -1).topk(top_k, dim=-1)
     for i, layer in enumerate(cache.layers):
         out[f"own.{i}.k"], out[f"own.{i}.v"] = layer.keys[0], layer.values[0]
     for i, (k, v) in fuser.translate(acts, edge.model, sorted(fuser.info)).items():
         out[f"cloud.{i}.k"], out[f"cloud.{i}.v"] = k.to(edge.model.dtype), v.to(edge.model.dtype)
-    return {name: t.contiguous() for name, t in out.items()}
+    return out
+
+
+@torch.no_grad()
+def _targets(teacher, text: HeldOutText, top_k: int) -> dict[str, torch.Tensor]:
+    """The teacher's top-k log-probs predicting continuation tokens 1..C−1."""
+    full = torch.cat([text.prefix, text.continuation])
+    logits = teacher.model(full[None]).logits[0, text.prefix.numel():-1]
+    top_logp, top_ids = torch.log_softmax(logits.float(), -1).topk(top_k, dim=-1)
+    return {"top_ids": top_ids, "top_logp": top_logp}
 
 
 def _example(t: dict[str, torch.Tensor]) -> FuseExample:
@@ -81,21 +103,32 @@ def _example(t: dict[str, torch.Tensor]) -> FuseExample:
 
 
 def prepare(edge, cloud, texts: list[HeldOutText], fuser: Fuser, pair: tuple[str, str], top_k: int = 64,
-            cache_dir: str | Path | None = None, on_text: Callable[[int], None] | None = None) -> list[FuseExample]:
-    """One FuseExample per text, read from `cache_dir` when computed before (atomic safetensors per text)."""
+            cache_dir: str | Path | None = None, on_text: Callable[[int], None] | None = None,
+            teacher=None) -> list[FuseExample]:
+    """One FuseExample per text: features from `cloud` (the source of the fused KV; the edge itself for a
+    self-fusion control), targets from `teacher` (default: the source). Both are read from `cache_dir` when
+    computed before (atomic safetensors per text: features keyed by the maps and `pair`, targets by the
+    teacher's fingerprint), so a self-fusion run reuses the cloud's targets."""
+    teacher = teacher or cloud
+    same = teacher is cloud
     digest = _maps_digest(fuser, pair, top_k) if cache_dir else ""
     out = []
     for n, text in enumerate(texts):
-        path = Path(cache_dir) / f"{_key(text, digest)}.safetensors" if cache_dir else None
-        if path is not None and path.exists():
-            tensors = load_file(str(path))
-        else:
-            tensors = _compute(edge, cloud, text, fuser, top_k)
-            if path is not None:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(".tmp")
-                save_file(tensors, str(tmp))
-                tmp.replace(path)
+        feat_path = Path(cache_dir) / f"{_key(text, digest)}.safetensors" if cache_dir else None
+        target_path = (Path(cache_dir) / "targets" / f"{_target_key(text, teacher.fingerprint, top_k)}.safetensors"
+                       if cache_dir else None)
+        tensors = load_file(str(feat_path)) if feat_path is not None and feat_path.exists() else None
+        if tensors is None:
+            tensors = _features(edge, cloud, text, fuser, top_k if same else None)
+            if feat_path is not None:
+                _save_atomic(tensors, feat_path)
+        if "top_ids" not in tensors or not same:
+            if target_path is not None and target_path.exists():
+                tensors.update(load_file(str(target_path)))
+            else:
+                tensors.update(_targets(teacher, text, top_k))
+        if target_path is not None and not target_path.exists():
+            _save_atomic({k: tensors[k] for k in ("top_ids", "top_logp")}, target_path)
         out.append(_example(tensors))
         if on_text:
             on_text(n + 1)
