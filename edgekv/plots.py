@@ -39,19 +39,30 @@ def similarity_heatmap(
 
 
 def loss_curve(log: list[dict], path: str | Path, title: str) -> None:
-    """Training loss per step (light) and held-out KL / NLL where measured (markers), one PNG."""
-    fig, ax = plt.subplots(figsize=(7, 4))
+    """Left: training loss per step and its running mean; right: held-out KL and NLL as the change since step 0
+    (the scale on which a fuser's gain shows), one PNG."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     train = [(e["step"], e["train_loss"]) for e in log if "train_loss" in e]
     if train:
-        ax.plot(*zip(*train), color="0.7", lw=0.8, label="training loss (one text per step)")
+        steps, values = zip(*train)
+        left.plot(steps, values, color="0.75", lw=0.7, label="one text per step")
+        window = max(1, len(values) // 20)
+        smooth = torch.tensor(values).unfold(0, window, 1).mean(1) if len(values) >= window else torch.tensor([])
+        left.plot(steps[window - 1:], smooth.tolist(), color="C3", label=f"running mean ({window} steps)")
+    left.set_xlabel("step")
+    left.set_ylabel("training loss (nats/token)")
+    left.legend()
     for key, colour in (("held_out_kl", "C0"), ("held_out_nll", "C1")):
         pts = [(e["step"], e[key]) for e in log if key in e]
         if pts:
-            ax.plot(*zip(*pts), "o-", color=colour, ms=3, label=key.replace("_", " "))
-    ax.set_xlabel("step")
-    ax.set_ylabel("nats/token")
-    ax.set_title(title)
-    ax.legend()
+            base = pts[0][1]
+            right.plot([p[0] for p in pts], [p[1] - base for p in pts], "o-", color=colour, ms=3,
+                       label=f"{key.replace('_', ' ')} − step {pts[0][0]} ({base:.3f})")
+    right.axhline(0, color="0.5", lw=0.8)
+    right.set_xlabel("step")
+    right.set_ylabel("change on held-out texts (nats/token)")
+    right.legend()
+    fig.suptitle(title)
     fig.tight_layout()
     tmp = Path(path).with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=120)
