@@ -31,6 +31,7 @@ def train_fuser(
     ce_weight: Optional[float] = typer.Option(None, help="Weight of cross-entropy on the text beside the KL [0]."),
     cache: Optional[Path] = typer.Option(None, help="Feature cache (safetensors per text) [runs/fuser-cache]."),
     ship: Optional[Path] = typer.Option(None, help="Also write the compact fuser (open layers, fp16 maps) here."),
+    max_open: Optional[int] = typer.Option(None, help="At most this many open layers, the most useful [no limit]."),
     seed: Optional[int] = typer.Option(None, help="Seed [0]."),
     config: Optional[Path] = typer.Option(None, help="YAML config, e.g. configs/train_fuser.yaml."),
 ) -> None:
@@ -39,7 +40,7 @@ def train_fuser(
                      mapping=str(mapping) if mapping else None, strategy=strategy, start_layer=start_layer,
                      train_texts=train_texts, gate_texts=gate_texts, steps=steps, minutes=minutes, lr=lr,
                      ce_weight=ce_weight, cache=str(cache) if cache else None, seed=seed,
-                     ship=str(ship) if ship else None)
+                     ship=str(ship) if ship else None, max_open=max_open)
     cfg = load_config(TrainFuserConfig, "train_fuser", config, overrides)
     with progress_bar() as progress:
         gates = run_train_fuser(cfg, progress)

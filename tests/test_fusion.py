@@ -118,6 +118,10 @@ def test_gate_training_lowers_heldout_kl_and_gates_are_chosen(calib_file, tmp_pa
     evidence = choose_gates(edge, fuser, held)
     assert evidence["chosen_nll"] <= evidence["closed_nll"]
     assert set(fuser.open_layers()) == set(evidence["open"])
+    budget = choose_gates(edge, fuser, held, max_open=1)
+    assert len(budget["open"]) <= 1 and fuser.open_layers() == budget["open"]
+    if len(evidence["open"]) > 1 and budget["open"]:  # the kept layer is the one whose closing costs most
+        assert budget["open"] == [max(evidence["open"], key=lambda i: evidence["leave_one_out_nll"][str(i)])]
 
 
 def test_gate_training_resume_is_exact(calib_file, tmp_path):

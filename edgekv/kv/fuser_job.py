@@ -64,6 +64,7 @@ class TrainFuserConfig:
     minutes: float = 10.0
     eval_every: int = 25
     gate_margin: float = 0.0  # keep open gates only if they beat all-closed by this many nats/token
+    max_open: int | None = None  # at most this many open layers (the most useful): bytes shipped, fuser size
     seed: int = 0
     cache: str = "runs/fuser-cache"
     ship: str | None = None  # also write the compact fuser (open layers, float16 maps) here, for committing
@@ -82,6 +83,8 @@ class TrainFuserConfig:
             raise EdgeKVError("calib_texts must be ≥ 3, prefix_tokens and cont_tokens ≥ 2")
         if self.minutes <= 0 or (self.lr is not None and self.lr <= 0):
             raise EdgeKVError("--minutes and --lr must be > 0")
+        if self.max_open is not None and self.max_open < 1:
+            raise EdgeKVError(f"--max-open must be ≥ 1, got {self.max_open}")
         if self.mapping is not None and not Path(self.mapping).is_file():
             raise EdgeKVError(f"mapping file not found: {self.mapping}")
 
@@ -146,7 +149,7 @@ def run_train_fuser(cfg: TrainFuserConfig, progress=None) -> dict:
                 seed=cfg.seed, checkpoint=out, every=cfg.eval_every, on_step=steps.task("train", cfg.steps),
                 stop=lambda s: time.perf_counter() > deadline, pair=pair)
     trained_s = time.perf_counter() - start - prepared_s
-    gates = choose_gates(edge, fuser, held, cfg.gate_margin)
+    gates = choose_gates(edge, fuser, held, cfg.gate_margin, cfg.max_open)
     save_translator(fuser, out, *pair)  # now with its hard gates
     if cfg.ship and fuser.open_layers():
         save_translator(fuser.compact(), cfg.ship, *pair)

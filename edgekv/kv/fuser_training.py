@@ -250,15 +250,19 @@ def train(edge, fuser: Fuser, examples: list[FuseExample], held_out: list[FuseEx
 
 
 @torch.no_grad()
-def choose_gates(edge, fuser: Fuser, held_out: list[FuseExample], margin: float = 0.0) -> dict:
+def choose_gates(edge, fuser: Fuser, held_out: list[FuseExample], margin: float = 0.0,
+                 max_open: int | None = None) -> dict:
     """Hard gates by held-out NLL of the text: from all trained layers open, close each layer whose closing
-    (leave-one-out) lowers the NLL; keep the result only if it beats every gate closed by more than `margin`
-    nats/token, else close all. Sets `fuser`'s open layers; returns the evidence."""
+    (leave-one-out) lowers the NLL; with `max_open`, keep only that many, those whose closing costs most (a
+    byte budget: a closed layer ships nothing). Keep the result only if it beats every gate closed by more than
+    `margin` nats/token, else close all. Sets `fuser`'s open layers; returns the evidence."""
     layers = sorted(fuser.info)
     closed = evaluate(edge, fuser, held_out, [])["nll"]
     everything = evaluate(edge, fuser, held_out, layers)["nll"]
     loo = {i: evaluate(edge, fuser, held_out, [j for j in layers if j != i])["nll"] for i in layers}
     chosen = [i for i in layers if loo[i] >= everything]
+    if max_open is not None and len(chosen) > max_open:
+        chosen = sorted(sorted(chosen, key=lambda i: -loo[i])[:max_open])
     chosen_nll = evaluate(edge, fuser, held_out, chosen)["nll"] if chosen else closed
     if chosen_nll > closed - margin:
         chosen, chosen_nll = [], closed
