@@ -64,7 +64,7 @@ def table(summary: list[dict], source: str, key: str, splits: list[int]) -> str:
             lines.append(f"{c:<14}{s[key]:>9.3f} ± {s[key + '_se']:.3f}" + " (no split)")
         else:
             lines.append(f"{c:<14}" + "".join(f"{cell[(c, m)][key]:>9.3f} ± {cell[(c, m)][key + '_se']:.3f}"
-                                               for m in splits))
+                                               if (c, m) in cell else f"{'–':>16}" for m in splits))
     return "\n".join(lines)
 
 
