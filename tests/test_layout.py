@@ -92,3 +92,10 @@ def test_former_public_paths_still_import(path, names):
     stage = importlib.import_module(path.replace("edgekv.", "edgekv.align." if "similarity" in path else "edgekv.kv."))
     for name in names:
         assert getattr(module, name) is getattr(stage, name)
+
+
+def test_the_offline_samples_are_found_from_the_moved_modules():
+    from edgekv.eval.datasets import ROOT as data_root
+
+    assert (data_root / "data" / "xsum" / "xsum_sample.jsonl").is_file()
+    assert (data_root / "data" / "mmlu" / "mmlu_dev.jsonl").is_file()

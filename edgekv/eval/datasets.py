@@ -21,7 +21,7 @@ from pathlib import Path
 from edgekv import EdgeKVError
 from edgekv.texts import ROLE_NAMES, iter_sharegpt
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the project root (edgekv/eval/datasets.py → ../..)
 LETTERS = "ABCD"
 DATASETS: dict[str, Callable] = {}
 
