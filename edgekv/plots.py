@@ -63,11 +63,7 @@ def loss_curve(log: list[dict], path: str | Path, title: str) -> None:
     right.set_ylabel("change on held-out texts (nats/token)")
     right.legend()
     fig.suptitle(title)
-    fig.tight_layout()
-    tmp = Path(path).with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
+    _save(fig, path)
 
 
 def interval_plot(ci: dict[str, dict[str, dict]], path: str | Path, title: str) -> None:
@@ -87,6 +83,11 @@ def interval_plot(ci: dict[str, dict[str, dict]], path: str | Path, title: str) 
         ax.set_title(f"{source} (n = {ci[source][names[0]]['n']})")
         ax.set_xlabel("Δ NLL (nats/token)")
     fig.suptitle(title)
+    _save(fig, path)
+
+
+def _save(fig, path: str | Path) -> None:
+    """Write a figure all-or-nothing (temp file, then rename) and close it."""
     fig.tight_layout()
     tmp = Path(path).with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=120)

@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from edgekv.attention.fuse import enable_fusion
 from edgekv.kv.fusers import Fuser
-from edgekv.kv.training import example_index
+from edgekv.kv.training import example_index, optimizer_tensors, restore_optimizer
 from edgekv.kv.translators import HiddenTranslator, save_translator
 from edgekv.models.capture import capture
 from edgekv.texts import HeldOutText
@@ -185,10 +185,7 @@ def evaluate(edge, fuser: Fuser, examples: list[FuseExample], layers: list[int] 
 
 def _save(path: Path, fuser: Fuser, opt: torch.optim.Optimizer, step: int, log: list, pair) -> None:
     tensors = {f"param.{n}": p.detach().clone().contiguous() for n, p in enumerate(fuser.parameters())}
-    for n, p in enumerate(fuser.parameters()):
-        for k, v in opt.state.get(p, {}).items():
-            if torch.is_tensor(v):
-                tensors[f"opt.{n}.{k}"] = v.detach().reshape(v.shape).contiguous().clone()
+    tensors.update(optimizer_tensors(fuser.parameters(), opt))
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "state.safetensors.tmp"))
     (path / "state.safetensors.tmp").replace(path / "state.safetensors")
@@ -204,10 +201,7 @@ def _load(path: Path, fuser: Fuser, opt: torch.optim.Optimizer) -> tuple[int, li
     with torch.no_grad():
         for n, p in enumerate(fuser.parameters()):
             p.copy_(tensors[f"param.{n}"])
-    for n, p in enumerate(fuser.parameters()):
-        state = {k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"opt.{n}.")}
-        if state:
-            opt.state[p] = {k: (v if k != "step" else v.reshape(())) for k, v in state.items()}
+    restore_optimizer(fuser.parameters(), opt, tensors)
     progress = json.loads((path / "progress.json").read_text())
     return progress["step"], progress["log"]
 

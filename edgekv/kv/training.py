@@ -69,14 +69,25 @@ def kl_loss(edge, translator, ex: TrainExample, m: int, sink: int) -> torch.Tens
     return (ex.target_logp.exp() * (ex.target_logp - student)).sum(-1).mean()
 
 
+def optimizer_tensors(params: list[torch.Tensor], opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The optimizer's per-parameter state as named tensors (`opt.<n>.<key>`), for a safetensors checkpoint."""
+    return {f"opt.{n}.{k}": v.detach().reshape(v.shape).contiguous().clone()
+            for n, p in enumerate(params) for k, v in opt.state.get(p, {}).items() if torch.is_tensor(v)}
+
+
+def restore_optimizer(params: list[torch.Tensor], opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> None:
+    """Inverse of `optimizer_tensors` (resume is bit-exact)."""
+    for n, p in enumerate(params):
+        state = {k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"opt.{n}.")}
+        if state:
+            opt.state[p] = {k: (v if k != "step" else v.reshape(())) for k, v in state.items()}
+
+
 def _save(path: Path, translator: TrainedTranslator, opt: torch.optim.Optimizer, step: int, log: list,
           pair: tuple[str | None, str | None]) -> None:
     tensors = {f"map.{i}.{k}": getattr(translator.maps[i], k).detach().contiguous()
                for i in translator.maps for k in ("weight", "bias")}
-    for n, p in enumerate(translator.parameters()):
-        for k, v in opt.state.get(p, {}).items():
-            if torch.is_tensor(v):
-                tensors[f"opt.{n}.{k}"] = v.detach().reshape(v.shape).contiguous().clone()
+    tensors.update(optimizer_tensors(translator.parameters(), opt))
     path.mkdir(parents=True, exist_ok=True)
     tmp = path / "state.safetensors.tmp"
     save_file(tensors, str(tmp))
@@ -95,10 +106,7 @@ def _load(path: Path, translator: TrainedTranslator, opt: torch.optim.Optimizer)
         for i in translator.maps:
             translator.maps[i].weight.copy_(tensors[f"map.{i}.weight"])
             translator.maps[i].bias.copy_(tensors[f"map.{i}.bias"])
-    for n, p in enumerate(translator.parameters()):
-        state = {k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"opt.{n}.")}
-        if state:
-            opt.state[p] = {k: (v if k != "step" else v.reshape(())) for k, v in state.items()}
+    restore_optimizer(translator.parameters(), opt, tensors)
     progress = json.loads((path / "progress.json").read_text())
     return progress["step"], progress["log"]
 
