@@ -16,13 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import DynamicCache
 
+from edgekv.atomic import write_tensors_atomic
 from edgekv.attention.fuse import enable_fusion
 from edgekv.kv.fusers import Fuser
-from edgekv.kv.training import example_index, optimizer_tensors, restore_optimizer
-from edgekv.kv.translators import HiddenTranslator, save_translator
+from edgekv.kv.training import example_index, optimizer_tensors, read_checkpoint, restore_optimizer, write_checkpoint
+from edgekv.kv.translators import HiddenTranslator
 from edgekv.models.capture import capture
 from edgekv.texts import HeldOutText
 
@@ -54,13 +55,6 @@ def _key(text: HeldOutText, digest: str) -> str:
     h = hashlib.sha256(digest.encode())
     h.update(text.prefix.numpy().tobytes() + b"|" + text.continuation.numpy().tobytes())
     return h.hexdigest()[:32]
-
-
-def _save_atomic(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    save_file({name: t.contiguous() for name, t in tensors.items()}, str(tmp))
-    tmp.replace(path)
 
 
 def _target_key(text: HeldOutText, teacher_fingerprint: str, top_k: int) -> str:
@@ -121,14 +115,14 @@ def prepare(edge, cloud, texts: list[HeldOutText], fuser: Fuser, pair: tuple[str
         if tensors is None:
             tensors = _features(edge, cloud, text, fuser, top_k if same else None)
             if feat_path is not None:
-                _save_atomic(tensors, feat_path)
+                write_tensors_atomic(feat_path, tensors)
         if "top_ids" not in tensors or not same:
             if target_path is not None and target_path.exists():
                 tensors.update(load_file(str(target_path)))
             else:
                 tensors.update(_targets(teacher, text, top_k))
         if target_path is not None and not target_path.exists():
-            _save_atomic({k: tensors[k] for k in ("top_ids", "top_logp")}, target_path)
+            write_tensors_atomic(target_path, {k: tensors[k] for k in ("top_ids", "top_logp")})
         out.append(_example(tensors))
         if on_text:
             on_text(n + 1)
@@ -186,23 +180,18 @@ def evaluate(edge, fuser: Fuser, examples: list[FuseExample], layers: list[int] 
 def _save(path: Path, fuser: Fuser, opt: torch.optim.Optimizer, step: int, log: list, pair) -> None:
     tensors = {f"param.{n}": p.detach().clone().contiguous() for n, p in enumerate(fuser.parameters())}
     tensors.update(optimizer_tensors(fuser.parameters(), opt))
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / "state.safetensors.tmp"))
-    (path / "state.safetensors.tmp").replace(path / "state.safetensors")
-    save_translator(fuser, path, *pair)
-    (path / "progress.json.tmp").write_text(json.dumps({"step": step, "log": log}))
-    (path / "progress.json.tmp").replace(path / "progress.json")
+    write_checkpoint(path, tensors, fuser, pair, {"step": step, "log": log})
 
 
 def _load(path: Path, fuser: Fuser, opt: torch.optim.Optimizer) -> tuple[int, list]:
-    if not (path / "progress.json").exists():
+    found = read_checkpoint(path)
+    if found is None:
         return 0, []
-    tensors = load_file(str(path / "state.safetensors"))
+    tensors, progress = found
     with torch.no_grad():
         for n, p in enumerate(fuser.parameters()):
             p.copy_(tensors[f"param.{n}"])
     restore_optimizer(fuser.parameters(), opt, tensors)
-    progress = json.loads((path / "progress.json").read_text())
     return progress["step"], progress["log"]
 
 

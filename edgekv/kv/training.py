@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from edgekv.atomic import write_tensors_atomic, write_text_atomic
 from edgekv.attention.splice import splice_layers
 from edgekv.kv.translators import TrainedTranslator, kv_from_hidden, load_translator, save_translator
 from edgekv.models.capture import capture
@@ -83,31 +84,40 @@ def restore_optimizer(params: list[torch.Tensor], opt: torch.optim.Optimizer, te
             opt.state[p] = {k: (v if k != "step" else v.reshape(())) for k, v in state.items()}
 
 
+def write_checkpoint(path: Path, tensors: dict[str, torch.Tensor], translator, pair, progress: dict) -> None:
+    """A training checkpoint: state.safetensors (parameters + optimizer), the usable translator
+    (translator.safetensors + translator.json) and progress.json, each file written atomically."""
+    write_tensors_atomic(path / "state.safetensors", tensors)
+    save_translator(translator, path, *pair)
+    write_text_atomic(path / "progress.json", json.dumps(progress))
+
+
+def read_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict] | None:
+    """(state tensors, progress) of a checkpoint written by `write_checkpoint`, or None when there is none."""
+    if not (path / "progress.json").exists():
+        return None
+    return load_file(str(path / "state.safetensors")), json.loads((path / "progress.json").read_text())
+
+
 def _save(path: Path, translator: TrainedTranslator, opt: torch.optim.Optimizer, step: int, log: list,
           pair: tuple[str | None, str | None]) -> None:
     tensors = {f"map.{i}.{k}": getattr(translator.maps[i], k).detach().contiguous()
                for i in translator.maps for k in ("weight", "bias")}
     tensors.update(optimizer_tensors(translator.parameters(), opt))
-    path.mkdir(parents=True, exist_ok=True)
-    tmp = path / "state.safetensors.tmp"
-    save_file(tensors, str(tmp))
-    tmp.replace(path / "state.safetensors")
-    save_translator(translator, path, *pair)  # the usable result: translator.safetensors + translator.json
     info = {str(i): v for i, v in translator.info.items()}
-    (path / "progress.json.tmp").write_text(json.dumps({"step": step, "log": log, "info": info}))
-    (path / "progress.json.tmp").replace(path / "progress.json")
+    write_checkpoint(path, tensors, translator, pair, {"step": step, "log": log, "info": info})
 
 
 def _load(path: Path, translator: TrainedTranslator, opt: torch.optim.Optimizer) -> tuple[int, list]:
-    if not (path / "progress.json").exists():
+    found = read_checkpoint(path)
+    if found is None:
         return 0, []
-    tensors = load_file(str(path / "state.safetensors"))
+    tensors, progress = found
     with torch.no_grad():
         for i in translator.maps:
             translator.maps[i].weight.copy_(tensors[f"map.{i}.weight"])
             translator.maps[i].bias.copy_(tensors[f"map.{i}.bias"])
     restore_optimizer(translator.parameters(), opt, tensors)
-    progress = json.loads((path / "progress.json").read_text())
     return progress["step"], progress["log"]
 
 
