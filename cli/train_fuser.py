@@ -24,6 +24,7 @@ def train_fuser(
     strategy: Optional[str] = typer.Option(None, help="uniform or last-aligned when no mapping [last-aligned]."),
     start_layer: Optional[int] = typer.Option(None, help="First edge layer that may fuse [12]."),
     train_texts: Optional[int] = typer.Option(None, help="Training texts (ShareGPT from record 100) [120]."),
+    xsum_texts: Optional[int] = typer.Option(None, help="XSum documents added to training (from record 107) [0]."),
     gate_texts: Optional[int] = typer.Option(None, help="Held-out texts that choose the hard gates [24]."),
     steps: Optional[int] = typer.Option(None, help="Most training steps (one text each) [2000]."),
     minutes: Optional[float] = typer.Option(None, help="Training time budget [10]."),
@@ -38,7 +39,8 @@ def train_fuser(
     """Train a fuser on the cloud's next-token distributions and choose its per-layer hard gates."""
     overrides = dict(out=str(out) if out else None, cloud=cloud, edge=edge, gate=gate, self_fuse=self_fuse,
                      mapping=str(mapping) if mapping else None, strategy=strategy, start_layer=start_layer,
-                     train_texts=train_texts, gate_texts=gate_texts, steps=steps, minutes=minutes, lr=lr,
+                     train_texts=train_texts, xsum_texts=xsum_texts, gate_texts=gate_texts, steps=steps,
+                     minutes=minutes, lr=lr,
                      ce_weight=ce_weight, cache=str(cache) if cache else None, seed=seed,
                      ship=str(ship) if ship else None, max_open=max_open)
     cfg = load_config(TrainFuserConfig, "train_fuser", config, overrides)

@@ -12,6 +12,7 @@ import torch
 
 from edgekv import EdgeKVError
 
+DATA_DIR = Path(__file__).resolve().parents[1] / "data"  # the project's offline samples (XSum, MMLU)
 ROLE_NAMES = {"human": "User", "user": "User", "gpt": "Assistant", "assistant": "Assistant", "system": "System"}
 
 

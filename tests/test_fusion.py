@@ -206,7 +206,10 @@ def test_fuse_export_round_trips_and_serves_the_edge_alone_when_gates_are_shut(t
     assert export.manifest["splice"] == "fuse" and export.layer_indices == [1, 2]
     shipped = export.shipped_translator()
     assert isinstance(shipped, BiasFuser) and shipped.open_layers() == [1, 2]
-    assert all(torch.equal(shipped.tensors()[k], t) for k, t in fuser.tensors().items())
+    # the cloud applied the maps: only the gates travel, bit-exactly
+    assert shipped.tensors().keys() == fuser.gate_tensors().keys() and not shipped.maps
+    assert all(torch.equal(shipped.tensors()[k], t) for k, t in fuser.gate_tensors().items())
+    assert export.manifest["translator"]["bytes"] < sum(t.numel() * 4 for t in fuser.tensors().values()) / 10
     alone = EdgeSession(edge, None, prompt, cache_dir=tmp_path / "c")
     fused = EdgeSession(edge, str(out), cache_dir=tmp_path / "c")
     params = SamplingParams(max_new_tokens=8)

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgekv import EdgeKVError
-from edgekv.texts import ROLE_NAMES, iter_sharegpt
+from edgekv.texts import DATA_DIR, ROLE_NAMES, iter_sharegpt
 
-ROOT = Path(__file__).resolve().parents[2]  # the project root (edgekv/eval/datasets.py → ../..)
+ROOT = DATA_DIR.parent
 LETTERS = "ABCD"
 DATASETS: dict[str, Callable] = {}
 

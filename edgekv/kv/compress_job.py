@@ -377,8 +377,10 @@ def run_compress(cfg: CompressConfig, progress=None, models: tuple[LoadedModel, 
             mapping_source = f"pairs of translator {cfg.translator_path}"
         timings["calibration_s"] = time.perf_counter() - start
         layers = heterogeneous_layers(cloud, edge, ids, translator, edge_cal, cfg, steps)
-        files = translator_files(translator, cloud.fingerprint, edge.fingerprint)
-        if cfg.map_on == "edge" or cfg.splice == "fuse":  # a fuser's gates are applied on the edge either way
+        # a fuser's gates run on the edge either way; its maps only where the edge applies them
+        shipped = translator.gates_only() if cfg.splice == "fuse" and cfg.map_on == "cloud" else translator
+        files = translator_files(shipped, cloud.fingerprint, edge.fingerprint)
+        if cfg.map_on == "edge" or cfg.splice == "fuse":
             extra = files
     timings["cloud_kv_s"] = time.perf_counter() - start - timings.get("calibration_s", 0.0)
 

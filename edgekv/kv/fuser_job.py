@@ -1,8 +1,11 @@
 """`edgekv train-fuser`: fit `hidden`'s maps, train a fuser's gates towards the cloud, choose its hard gates.
 
-Texts (ShareGPT, file order): calibration for the maps 0..calib_texts−1; training from `train_offset`;
-gate choice (held out) from `gate_offset`; all before the fidelity bench's held-out texts (2000 on) and the
-eval's (5000 on). `self_fuse` trains the same fuser edge → edge (the fused KV is the edge's own, the target still
+Texts (ShareGPT, file order): calibration for the maps 0..calib_texts−1; training from `train_offset` (refused
+if it would run into the gate texts); gate choice (held out) from `gate_offset`; all before the fidelity bench's
+held-out texts (2000 on) and the eval's (5000 on). Optionally `xsum_texts` XSum documents from record
+`xsum_offset` of data/xsum join the training texts: news articles like the eval's XSum system prompts; the default
+offset 107 starts after the 64 documents the fidelity bench holds out (records 0..106, which also cover the eval's
+XSum requests). `self_fuse` trains the same fuser edge → edge (the fused KV is the edge's own, the target still
 the cloud's distribution): the adapter-only control. The out directory
 holds translator.safetensors + translator.json (the fuser, usable by `compress --splice fuse` and eval's
 `fuser_path`), state.safetensors + progress.json (resume), log.json, gates.json and loss_curve.png.
@@ -28,7 +31,7 @@ from edgekv.models.capture import capture
 from edgekv.models.loading import DTYPES, check_tokenizers, load_model
 from edgekv.plots import loss_curve
 from edgekv.progress import Steps
-from edgekv.texts import iter_sharegpt, render_conversation, sharegpt_texts, split_texts
+from edgekv.texts import DATA_DIR, iter_sharegpt, render_conversation, sharegpt_texts, split_texts, xsum_documents
 
 GATES = ("fuse-bias", "fuse-residual")
 DEFAULT_LR = {"fuse-bias": 0.05, "fuse-residual": 1e-3}
@@ -52,6 +55,8 @@ class TrainFuserConfig:
     calib_tokens: int = 256
     train_texts: int = 120
     train_offset: int = 100
+    xsum_texts: int = 0  # XSum documents (data/xsum) added to the training texts
+    xsum_offset: int = 107  # after the fidelity bench's 64 held-out documents and the eval's requests
     gate_texts: int = 24
     gate_offset: int = 1500
     prefix_tokens: int = 256
@@ -77,6 +82,8 @@ class TrainFuserConfig:
             raise EdgeKVError(f"--strategy must be uniform or last-aligned, got '{self.strategy}'")
         if self.dtype not in DTYPES:
             raise EdgeKVError(f"unknown dtype '{self.dtype}' (choose from {', '.join(DTYPES)})")
+        if self.xsum_texts < 0 or self.xsum_offset < 0:
+            raise EdgeKVError("xsum_texts and xsum_offset must be ≥ 0")
         if min(self.train_texts, self.gate_texts, self.steps, self.eval_every, self.top_k, self.rank) < 1:
             raise EdgeKVError("train_texts, gate_texts, steps, eval_every, top_k and rank must be ≥ 1")
         if self.calib_texts < 3 or self.prefix_tokens < 2 or self.cont_tokens < 2:
@@ -105,11 +112,26 @@ def layer_pairs(cfg: TrainFuserConfig, n_cloud: int, n_edge: int) -> list[tuple[
     return [(p["edge_layer"], p["cloud_layer"]) for p in mapping["pairs"]]
 
 
-def _sharegpt_split(tokenizer, offset: int, count: int, prefix: int, cont: int):
-    records = (render_conversation(r) for k, r in enumerate(iter_sharegpt()) if k >= offset)
+def _sharegpt_split(tokenizer, offset: int, count: int, prefix: int, cont: int, end: int | None = None):
+    """`count` ShareGPT conversations of ≥ prefix+cont tokens from record `offset`, all before record `end`."""
+    records = (render_conversation(r) for k, r in enumerate(iter_sharegpt()) if offset <= k < (end or 1 << 62))
     texts = split_texts(tokenizer, records, "sharegpt", prefix, cont, count)
     if len(texts) < count:
-        raise EdgeKVError(f"only {len(texts)} ShareGPT conversations from record {offset} have {prefix}+{cont} tokens")
+        before = f" before record {end}" if end else ""
+        raise EdgeKVError(f"only {len(texts)} ShareGPT conversations from record {offset}{before} have "
+                          f"{prefix}+{cont} tokens (asked for {count})")
+    return texts
+
+
+def _xsum_split(tokenizer, offset: int, count: int, prefix: int, cont: int):
+    """`count` XSum documents of ≥ prefix+cont tokens from record `offset` of data/xsum."""
+    if not count:
+        return []
+    docs = xsum_documents(DATA_DIR / "xsum/xsum_sample.jsonl")[offset:]
+    texts = split_texts(tokenizer, docs, "xsum", prefix, cont, count)
+    if len(texts) < count:
+        raise EdgeKVError(f"only {len(texts)} XSum documents from record {offset} have {prefix}+{cont} tokens "
+                          f"(asked for {count})")
     return texts
 
 
@@ -135,8 +157,10 @@ def run_train_fuser(cfg: TrainFuserConfig, progress=None) -> dict:
     extra = {"rank": cfg.rank, "seed": cfg.seed} if cfg.gate == "fuse-residual" else {}
     fuser = TRANSLATORS[cfg.gate].from_hidden(hidden, edge.model, source="edge" if cfg.self_fuse else "cloud",
                                               **extra)
+    end = cfg.gate_offset if cfg.train_offset < cfg.gate_offset else None  # training never reaches gate texts
     train_texts = _sharegpt_split(edge.tokenizer, cfg.train_offset, cfg.train_texts, cfg.prefix_tokens,
-                                  cfg.cont_tokens)
+                                  cfg.cont_tokens, end)
+    train_texts += _xsum_split(edge.tokenizer, cfg.xsum_offset, cfg.xsum_texts, cfg.prefix_tokens, cfg.cont_tokens)
     gate_texts = _sharegpt_split(edge.tokenizer, cfg.gate_offset, cfg.gate_texts, cfg.prefix_tokens, cfg.cont_tokens)
     start = time.perf_counter()
     examples = prepare(edge, cloud, train_texts, fuser, pair, cfg.top_k, cfg.cache,
@@ -155,6 +179,7 @@ def run_train_fuser(cfg: TrainFuserConfig, progress=None) -> dict:
         save_translator(fuser.compact(), cfg.ship, *pair)
     tail = [e["held_out_kl"] for e in log if "held_out_kl" in e]
     gates.update({"gate": cfg.gate, "pairs": pairs, "self_fuse": cfg.self_fuse, "train_texts": len(examples),
+                  "train_sources": {s: sum(t.source == s for t in train_texts) for s in ("sharegpt", "xsum")},
                   "gate_texts": len(held), "train_tokens": sum(e.continuation.numel() - 1 for e in examples),
                   "prepare_s": prepared_s, "train_s": trained_s, "steps": log[-1]["step"],
                   "held_out_kl_first_last": [tail[0], tail[-1]] if tail else None,

@@ -76,6 +76,19 @@ class Fuser(HiddenTranslator):
         out.drop_gates(set(out.info))
         return out
 
+    def gates_only(self) -> "Fuser":
+        """What the edge needs when the cloud applies the maps (`map_on cloud`): gates and hard gates, no maps."""
+        out = type(self)()
+        out.info = {i: {**v, "maps": "cloud"} for i, v in self.info.items()}
+        out.maps = {}
+        out.load_gates({k: v.clone() for k, v in self.gate_tensors().items()})
+        return out
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The maps of the layers that carry them (none in a `gates_only` fuser); subclasses add the gates."""
+        self.maps = {i: RidgeMap.from_tensors(tensors, str(i), self.info[i].get("alpha", 0.0))
+                     for i in self.info if self.info[i].get("maps") != "cloud"}
+
     def load_gates(self, tensors: dict[str, torch.Tensor]) -> None:
         """Set the gate parameters from named tensors (as `gate_tensors` names them)."""
         raise NotImplementedError
