@@ -7,6 +7,8 @@ computed as two segment attentions merged exactly by log-sum-exp (`merge_attenti
 A layer without a cloud segment (a closed hard gate) runs the stock SDPA attention untouched, so with every
 gate closed the model computes exactly what it computes alone.
 
+The same attention function serves the engine's batched decode steps (`edgekv.attention.relay`).
+
 Use: `enable_fusion(model)` once (registers and selects the `edgekv_fuse` attention), then pass
 `cloud_segments={layer: CloudSegment}` as a keyword of the model's forward; transformers hands forward keywords
 down to every attention call.
@@ -22,6 +24,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from edgekv.attention.merge import merge_attention, segment_attention
+from edgekv.attention.relay import relay_attention
 
 FUSE_ATTENTION = "edgekv_fuse"
 
@@ -38,7 +41,11 @@ class CloudSegment:
 def fused_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                     **kwargs) -> tuple[torch.Tensor, None]:
-    """The `edgekv_fuse` attention function: stock SDPA, plus the gated cloud segment where one is given."""
+    """The `edgekv_fuse` attention function: stock SDPA, plus the gated cloud segment where one is given; a
+    batched decode step (keyword `relay`) goes to relay attention over the shared system KV."""
+    relay = kwargs.pop("relay", None)
+    if relay is not None:
+        return relay_attention(module, query, key, value, relay, scaling), None
     segments = kwargs.pop("cloud_segments", None)
     seg = None if segments is None else segments.get(module.layer_idx)
     if seg is None:

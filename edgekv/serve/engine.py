@@ -1,0 +1,312 @@
+"""The serving engine: one thread owns the model and steps every active request together (vLLM's split: the HTTP
+layer only queues requests and relays their events).
+
+Each step admits new requests up to `max_batch` and prefills their user prompts (one forward each, over the
+shared system KV), then runs ONE forward for the next token of every running request: relay attention
+(`edgekv.attention.relay`) attends all their queries to the one shared system KV as a single product and each
+request's own tokens separately, merged exactly by log-sum-exp, so the system KV is never copied per request or
+per step. `max_batch=1` is the one-at-a-time baseline through the same code. A request's events (text deltas with
+log-probs, then `done`) go to its callback from the engine thread; a cancelled request leaves the batch at the
+next step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from edgekv import EdgeKVError
+from edgekv.attention.fuse import enable_fusion
+from edgekv.attention.relay import RelayBatch, relay_cache
+from edgekv.serve.session import EdgeSession, SamplingParams, pick_token
+
+log = logging.getLogger("edgekv")
+
+
+class EngineBusy(EdgeKVError):
+    """The request queue is full (HTTP 429)."""
+
+
+@dataclass
+class GenRequest:
+    """What to generate: user-prompt token ids, sampling, stop strings, log-probs and echo."""
+
+    user_ids: torch.Tensor
+    params: SamplingParams
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # top alternatives per token (0..5); None: no log-probs
+    echo: bool = False  # also score the prompt's own tokens (first one: None)
+
+
+@dataclass
+class TokenInfo:
+    """One token of a prompt or answer, with its log-prob and the top alternatives (None when not scored)."""
+
+    token_id: int
+    text: str
+    logprob: float | None
+    top: dict[int, float] | None
+
+
+@dataclass
+class Result:
+    """A finished request."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # stop | length | cancelled | error
+    prompt_tokens: int
+    ttft_s: float
+    total_s: float
+    tokens: list[TokenInfo]  # the answer's tokens (with log-probs when asked)
+    prompt: list[TokenInfo] | None = None  # echo: the prompt's tokens
+    error: str | None = None
+
+
+class Sequence:
+    """A request in flight: its own KV (every layer), tokens, text, and the events it owes its caller."""
+
+    def __init__(self, rid: int, req: GenRequest, on_event: Callable[[str, object], None], num_layers: int):
+        self.id, self.req, self.on_event = rid, req, on_event
+        self.own: list[torch.Tensor] = []  # [k_0, v_0, k_1, v_1, …], each (1, kv_heads, own tokens, d)
+        self.num_layers = num_layers
+        self.tokens: list[int] = []
+        self.infos: list[TokenInfo] = []
+        self.text, self.sent = "", 0  # decoded answer; characters already streamed
+        self.unsent = 0  # tokens not yet covered by a streamed event
+        self.generator = torch.Generator().manual_seed(req.params.seed)
+        self.next_input: int | None = None
+        self.position = 0
+        self.submitted = time.perf_counter()
+        self.ttft: float | None = None
+        self.prompt_infos: list[TokenInfo] | None = None
+        self.cancelled = threading.Event()
+        self.finish: str | None = None
+
+
+class Engine:
+    """Owns the session's model on one thread; `submit` queues a request, `cancel` drops one."""
+
+    def __init__(self, session: EdgeSession, max_batch: int = 32, max_queue: int = 256):
+        if max_batch < 1 or max_queue < 1:
+            raise EdgeKVError("max_batch and max_queue must be ≥ 1")
+        self.session, self.max_batch, self.max_queue = session, max_batch, max_queue
+        self.model, self.tokenizer = session.model, session.edge.tokenizer
+        self.eos = session._eos_ids()
+        enable_fusion(self.model)  # the attention function that also runs relay steps
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.cv = threading.Condition()
+        self.ids = itertools.count(1)
+        self.stats = {"requests": 0, "finished": 0, "cancelled": 0, "errors": 0, "prompt_tokens": 0,
+                      "completion_tokens": 0, "steps": 0, "batched_tokens": 0, "ttft_s": deque(maxlen=10_000)}
+        self._stop = False
+        self.thread = threading.Thread(target=self._loop, name="edgekv-engine", daemon=True)
+        self.thread.start()
+
+    # ----------------------------------------------------------------------------------------- the API side
+
+    def submit(self, req: GenRequest, on_event: Callable[[str, object], None]) -> Sequence:
+        """Queue a request; EngineBusy when the queue is full; EdgeKVError if it cannot fit the context."""
+        total = self.session.prefix_len + req.user_ids.numel() + req.params.max_new_tokens
+        if total > self.session.max_context:
+            raise EdgeKVError(f"system + user prompt + max_tokens = {total} tokens exceeds the model's context of "
+                              f"{self.session.max_context}")
+        if req.user_ids.numel() == 0:
+            raise EdgeKVError("the prompt is empty")
+        with self.cv:
+            if len(self.waiting) + len(self.running) >= self.max_queue:
+                raise EngineBusy(f"the server is at capacity ({self.max_queue} requests in flight); retry later")
+            seq = Sequence(next(self.ids), req, on_event, self.session.num_layers)
+            self.waiting.append(seq)
+            self.stats["requests"] += 1
+            self.cv.notify()
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        """Drop a request (its client went away); it leaves the batch at the next step."""
+        seq.cancelled.set()
+        with self.cv:
+            self.cv.notify()
+
+    def generate(self, req: GenRequest) -> Result:
+        """Submit and wait (batch mode, tests)."""
+        done = threading.Event()
+        box: list[Result] = []
+
+        def on_event(kind: str, payload) -> None:
+            if kind == "done":
+                box.append(payload)
+                done.set()
+
+        self.submit(req, on_event)
+        done.wait()
+        return box[0]
+
+    def load(self) -> dict[str, int]:
+        """Requests waiting and running."""
+        with self.cv:
+            return {"waiting": len(self.waiting), "running": len(self.running)}
+
+    def close(self) -> None:
+        """Stop the loop (requests in flight end as cancelled)."""
+        with self.cv:
+            self._stop = True
+            self.cv.notify()
+        self.thread.join(timeout=30)
+
+    # ----------------------------------------------------------------------------------------- the loop
+
+    def _loop(self) -> None:
+        while True:
+            with self.cv:
+                while not self._stop and not self.waiting and not self.running:
+                    self.cv.wait()
+                if self._stop:
+                    for seq in [*self.waiting, *self.running]:
+                        self._finish(seq, "cancelled")
+                    return
+                admitted = []
+                while self.waiting and len(self.running) + len(admitted) < self.max_batch:
+                    admitted.append(self.waiting.popleft())
+            try:
+                self._step(admitted)
+            except Exception as exc:  # keep serving: the step's requests fail, the engine lives
+                log.exception("engine step failed")
+                self.stats["errors"] += 1
+                for seq in [*admitted, *self.running]:
+                    if seq.finish is None:
+                        self._finish(seq, "error", f"internal error: {type(exc).__name__}: {exc}")
+                self.running = []
+
+    @torch.no_grad()
+    def _step(self, admitted: list[Sequence]) -> None:
+        for seq in [s for s in self.running if s.cancelled.is_set()]:
+            self._finish(seq, "cancelled")
+        self.running = [s for s in self.running if s.finish is None]
+        decoding = [s for s in self.running if s.next_input is not None]
+        for seq in admitted:
+            if seq.cancelled.is_set():
+                self._finish(seq, "cancelled")
+                continue
+            self._prefill(seq)
+            if seq.finish is None:
+                self.running.append(seq)
+        if decoding:
+            self._decode(decoding)
+        self.running = [s for s in self.running if s.finish is None]
+        self.stats["steps"] += 1
+
+    def _prefill(self, seq: Sequence) -> None:
+        """The user prompt over the shared system KV: its own KV, the first token (and the prompt's log-probs)."""
+        s = self.session
+        ids = seq.req.user_ids
+        cache = s.new_cache()
+        positions = torch.arange(s.prefix_len, s.prefix_len + ids.numel())[None]
+        keep = 0 if seq.req.echo and seq.req.logprobs is not None else 1
+        logits = self.model(input_ids=ids[None], past_key_values=cache, position_ids=positions, use_cache=True,
+                            logits_to_keep=keep, **s._forward_kwargs()).logits[0]
+        seq.own = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+        seq.position = s.prefix_len + ids.numel()
+        self.stats["prompt_tokens"] += ids.numel()
+        self.stats["batched_tokens"] += ids.numel()
+        if seq.req.echo:
+            seq.prompt_infos = self._prompt_infos(ids, logits if keep == 0 else None, seq.req.logprobs)
+        if seq.req.params.max_new_tokens == 0:
+            seq.ttft = time.perf_counter() - seq.submitted
+            return self._finish(seq, "length")
+        self._accept(seq, logits[-1])
+
+    def _decode(self, batch: list[Sequence]) -> None:
+        """One forward: the next token of every running request, relay attention over the shared system KV."""
+        s = self.session
+        ids = torch.tensor([[seq.next_input] for seq in batch])
+        positions = torch.tensor([[seq.position] for seq in batch])
+        lengths = torch.tensor([seq.own[0].shape[-2] + 1 for seq in batch])
+        own = [seq.own for seq in batch]
+        relay = RelayBatch(lambda i: s.layer_kv(i), lengths, s.fusion()[1])
+        logits = self.model(input_ids=ids, past_key_values=relay_cache(own, s.num_layers, s.prefix_len),
+                            position_ids=positions, use_cache=True, logits_to_keep=1, relay=relay).logits[:, -1]
+        self.stats["batched_tokens"] += len(batch)
+        for row, seq in zip(logits, batch):
+            seq.position += 1
+            self._accept(seq, row)
+
+    # ----------------------------------------------------------------------------------------- tokens
+
+    def _accept(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Pick the next token from one position's logits; stream it; end on EOS, a stop string or length."""
+        if seq.ttft is None:
+            seq.ttft = time.perf_counter() - seq.submitted
+            self.stats["ttft_s"].append(seq.ttft)
+        token = pick_token(logits, seq.req.params, seq.generator)
+        if token in self.eos:
+            return self._finish(seq, "stop")
+        logp, top = None, None
+        if seq.req.logprobs is not None:
+            lp = torch.log_softmax(logits.float(), -1)
+            logp = float(lp[token])
+            top = self._top(lp, seq.req.logprobs)
+        seq.tokens.append(token)
+        seq.infos.append(TokenInfo(token, self.tokenizer.decode([token]), logp, top))
+        seq.next_input = token
+        self.stats["completion_tokens"] += 1
+        text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
+        for stop in seq.req.stop:
+            at = text.find(stop)
+            if at >= 0:
+                seq.text = text[:at]
+                return self._finish(seq, "stop")
+        seq.text = text
+        if len(seq.tokens) >= seq.req.params.max_new_tokens:
+            return self._finish(seq, "length")
+        hold = max((len(s) - 1 for s in seq.req.stop), default=0)  # a stop string may still be forming
+        safe = len(text) - hold
+        if safe > seq.sent and not text[:safe].endswith("\ufffd"):
+            self._emit(seq, text[seq.sent:safe])
+            seq.sent = safe
+
+    def _emit(self, seq: Sequence, delta: str) -> None:
+        """A text delta with the tokens it completes (their log-probs travel with it)."""
+        seq.on_event("text", (delta, seq.infos[seq.unsent:]))
+        seq.unsent = len(seq.infos)
+
+    def _top(self, logp: torch.Tensor, k: int) -> dict[int, float]:
+        if k <= 0:
+            return {}
+        values, ids = logp.topk(k)
+        return {int(i): float(v) for i, v in zip(ids, values)}
+
+    def _prompt_infos(self, ids: torch.Tensor, logits: torch.Tensor | None, k: int | None) -> list[TokenInfo]:
+        """The prompt's tokens; with logits, each one's log-prob given the ones before (the first: None, as
+        OpenAI's echo; the system prompt before it is not scored)."""
+        out = [TokenInfo(int(ids[0]), self.tokenizer.decode([int(ids[0])]), None, None)]
+        lp = torch.log_softmax(logits[:-1].float(), -1) if logits is not None else None
+        for n in range(1, ids.numel()):
+            t = int(ids[n])
+            out.append(TokenInfo(t, self.tokenizer.decode([t]), None if lp is None else float(lp[n - 1, t]),
+                                 None if lp is None else self._top(lp[n - 1], k)))
+        return out
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        if seq.finish is not None:
+            return
+        seq.finish = reason
+        if reason != "cancelled" and len(seq.text) > seq.sent:
+            self._emit(seq, seq.text[seq.sent:])
+            seq.sent = len(seq.text)
+        self.stats["cancelled" if reason == "cancelled" else "finished"] += 1
+        seq.own = []
+        result = Result(seq.text, list(seq.tokens), reason, int(seq.req.user_ids.numel()), seq.ttft or 0.0,
+                        time.perf_counter() - seq.submitted, seq.infos, seq.prompt_infos, error)
+        try:
+            seq.on_event("done", result)
+        except Exception:  # a caller's callback must never take the engine down
+            log.exception("request callback failed")

@@ -1,0 +1,127 @@
+"""The serving engine on tiny models: batched relay decoding equals one-at-a-time decoding token for token."""
+
+import threading
+
+import pytest
+import torch
+
+from edgekv.attention.merge import segment_attention
+from edgekv.attention.relay import RelayBatch, relay_attention
+from edgekv.serve.engine import Engine, EngineBusy, GenRequest
+from edgekv.serve.session import EdgeSession, SamplingParams
+from tests.test_serving import USERS, _export, edge, edge_dir  # noqa: F401 (fixtures)
+
+PROMPTS = USERS + ["User: a much longer question about caches, layers, heads and the way the edge decodes " * 2,
+                   "Hi", "User: 12345"]
+
+
+@pytest.fixture()
+def session(edge, edge_dir, tmp_path):
+    s = EdgeSession(edge, str(_export(edge_dir, tmp_path / "kv", 1)), cache_dir=tmp_path / "c")
+    s._eos_ids = lambda: set()  # compare every token even past an EOS
+    return s
+
+
+def test_relay_attention_equals_one_softmax_over_system_and_own_keys():
+    torch.manual_seed(0)
+    heads, kv_heads, d, s = 4, 2, 8, 11
+    sys_k, sys_v = torch.randn(1, kv_heads, s, d, dtype=torch.float64), torch.randn(1, kv_heads, s, d,
+                                                                                   dtype=torch.float64)
+    lengths = torch.tensor([3, 1, 5])
+    own_k = torch.randn(3, kv_heads, 5, d, dtype=torch.float64)
+    own_v = torch.randn(3, kv_heads, 5, d, dtype=torch.float64)
+    q = torch.randn(3, heads, 1, d, dtype=torch.float64)
+
+    class Layer(torch.nn.Module):
+        layer_idx = 0
+
+    out = relay_attention(Layer(), q, own_k, own_v, RelayBatch(lambda i: (sys_k, sys_v), lengths))
+    for b, n in enumerate(lengths.tolist()):
+        keys = torch.cat([sys_k[0], own_k[b, :, :n]], 1)[None]
+        values = torch.cat([sys_v[0], own_v[b, :, :n]], 1)[None]
+        want, _ = segment_attention(q[b:b + 1], keys, values)
+        assert (out[b].transpose(0, 1) - want[0]).abs().max() < 1e-12
+
+
+def test_batched_greedy_equals_one_at_a_time(session):
+    one = Engine(session, max_batch=1)
+    try:
+        want = {p: one.generate(GenRequest(session.encode_user(p), SamplingParams(max_new_tokens=16))).token_ids
+                for p in PROMPTS}
+    finally:
+        one.close()
+    for p in PROMPTS:  # the engine at batch size 1 is the session's own decoding
+        assert session.complete(p, SamplingParams(max_new_tokens=16)).token_ids == want[p]
+    engine = Engine(session, max_batch=8)
+    results, lock = {}, threading.Lock()
+    try:
+        threads = []
+        for n, p in enumerate(PROMPTS * 2):  # mixed lengths, arriving while others decode
+            def run(p=p, n=n):
+                r = engine.generate(GenRequest(session.encode_user(p), SamplingParams(max_new_tokens=16 - n % 3)))
+                with lock:
+                    results[(p, n)] = r
+            threads.append(threading.Thread(target=run))
+            threads[-1].start()
+        for t in threads:
+            t.join()
+    finally:
+        engine.close()
+    for (p, n), r in results.items():
+        assert r.token_ids == want[p][:16 - n % 3]
+        assert r.finish_reason == "length"
+    assert engine.stats["batched_tokens"] > engine.stats["steps"]  # some steps carried several requests
+
+
+def test_stop_strings_logprobs_echo_and_a_full_queue(session):
+    engine = Engine(session, max_batch=4, max_queue=2)
+    try:
+        full = engine.generate(GenRequest(session.encode_user(USERS[0]), SamplingParams(max_new_tokens=12),
+                                          logprobs=2, echo=True))
+        assert len(full.tokens) == 12 and all(len(t.top) == 2 and t.logprob <= 0 for t in full.tokens)
+        assert all(t.logprob >= min(t.top.values()) - 1e-6 for t in full.tokens)  # greedy: the top-1 token
+        assert full.prompt[0].logprob is None and all(t.logprob <= 0 for t in full.prompt[1:])
+        stop = full.text[3:5]
+        cut = engine.generate(GenRequest(session.encode_user(USERS[0]), SamplingParams(max_new_tokens=12),
+                                         stop=[stop]))
+        assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.find(stop)]
+        scored = engine.generate(GenRequest(session.encode_user(USERS[1]), SamplingParams(max_new_tokens=0),
+                                            logprobs=0, echo=True))
+        assert scored.token_ids == [] and len(scored.prompt) == len(session.encode_user(USERS[1]))
+        gate = threading.Event()
+        with engine.cv:  # the loop cannot admit while we hold its lock (a Condition's RLock: we may submit)
+            engine.submit(GenRequest(session.encode_user(USERS[0]), SamplingParams(max_new_tokens=4)),
+                          lambda kind, payload: None)
+            engine.submit(GenRequest(session.encode_user(USERS[0]), SamplingParams(max_new_tokens=4)),
+                          lambda kind, payload: gate.set() if kind == "done" else None)
+            with pytest.raises(EngineBusy, match="at capacity"):
+                engine.submit(GenRequest(session.encode_user(USERS[0]), SamplingParams(max_new_tokens=4)),
+                              lambda kind, payload: None)
+        gate.wait(60)
+    finally:
+        engine.close()
+
+
+def test_a_cancelled_request_leaves_the_batch(session):
+    engine = Engine(session, max_batch=4)
+    events, box = [], []
+    done = threading.Event()
+
+    def on_event(kind, payload):
+        events.append(kind)
+        if kind == "text" and events.count("text") == 1:
+            engine.cancel(box[0])  # the client goes away after its first piece of text
+        if kind == "done":
+            box.append(payload)
+            done.set()
+
+    try:
+        with engine.cv:
+            box.append(engine.submit(GenRequest(session.encode_user(USERS[0]), SamplingParams(max_new_tokens=300)),
+                                     on_event))
+        assert done.wait(60)
+        result = box[1]
+        assert result.finish_reason == "cancelled" and len(result.token_ids) <= 2
+        assert engine.load() == {"waiting": 0, "running": 0} and engine.stats["cancelled"] == 1
+    finally:
+        engine.close()
