@@ -16,7 +16,7 @@ PROMPTS = USERS + ["User: a much longer question about caches, layers, heads and
 
 
 @pytest.fixture()
-def session(edge, edge_dir, tmp_path):
+def session(edge, edge_dir, tmp_path):  # noqa: F811 (the imported fixtures)
     s = EdgeSession(edge, str(_export(edge_dir, tmp_path / "kv", 1)), cache_dir=tmp_path / "c")
     s._eos_ids = lambda: set()  # compare every token even past an EOS
     return s
