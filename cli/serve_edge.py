@@ -27,7 +27,11 @@ def serve_edge(
     latency_ms: Optional[float] = typer.Option(None, help="Link emulator: latency per file in ms [0]."),
     max_new_tokens: Optional[int] = typer.Option(None, help="Default max tokens per answer [64]."),
     max_tokens_limit: Optional[int] = typer.Option(None, help="Largest max_tokens a request may ask [512]."),
-    max_body_bytes: Optional[int] = typer.Option(None, help="Largest request body (larger → 413) [65536]."),
+    max_body_bytes: Optional[int] = typer.Option(None, help="Largest request body (larger → 413) [1 MiB]."),
+    api_key: Optional[str] = typer.Option(None, help="Bearer key required on /v1/* [EDGEKV_API_KEY; none: open]."),
+    max_batch: Optional[int] = typer.Option(None, help="Requests decoded together per engine step [32]."),
+    max_queue: Optional[int] = typer.Option(None, help="Requests in flight; beyond it → 429 [256]."),
+    served_model_name: Optional[str] = typer.Option(None, help="Model id in /v1/models [the export's name]."),
     temperature: Optional[float] = typer.Option(None, help="Default temperature (0 = greedy) [0]."),
     top_p: Optional[float] = typer.Option(None, help="Default nucleus top-p [1]."),
     seed: Optional[int] = typer.Option(None, help="Default sampling seed [0]."),
@@ -42,7 +46,8 @@ def serve_edge(
                      bandwidth_mbps=bandwidth_mbps, latency_ms=latency_ms, max_new_tokens=max_new_tokens,
                      max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes, temperature=temperature,
                      top_p=top_p, seed=seed, local_sink_tokens=local_sink_tokens,
-                     cache_dir=str(cache_dir) if cache_dir else None, dtype=dtype)
+                     cache_dir=str(cache_dir) if cache_dir else None, dtype=dtype, api_key=api_key,
+                     max_batch=max_batch, max_queue=max_queue, served_model_name=served_model_name)
     cfg = load_config(ServeConfig, "serve_edge", config, overrides)
     session = open_session(cfg)
     info = session.describe()
@@ -57,6 +62,6 @@ def serve_edge(
                       f"{', '.join(session.describe()['layer_sources'])}")
         return
     server = open_server(cfg, session)
-    console.print(f"listening on http://{cfg.host}:{server.server_address[1]} (POST /v1/completions, GET /healthz, "
-                  "GET /metrics); Ctrl-C stops")
+    console.print(f"listening on http://{cfg.host}:{server.server_address[1]} as model '{server.model_id}' "
+                  "(POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics); Ctrl-C stops")
     serve(server)

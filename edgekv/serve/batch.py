@@ -1,14 +1,16 @@
-"""`edgekv serve-edge --batch`: JSONL requests in, JSONL results out, written atomically."""
+"""`edgekv serve-edge --batch`: JSONL requests in, all in flight together through the engine, JSONL results out
+(written atomically)."""
 
 from __future__ import annotations
 
 import json
-import time
+import threading
 from pathlib import Path
 
 from edgekv import EdgeKVError
 from edgekv.atomic import write_text_atomic
 from edgekv.progress import Steps
+from edgekv.serve.engine import Engine, GenRequest, Result
 from edgekv.serve.serve_job import ServeConfig
 from edgekv.serve.session import EdgeSession, SamplingParams
 
@@ -33,21 +35,46 @@ def read_batch(path: str | Path, cfg: ServeConfig) -> list[tuple[str, str, Sampl
 
 
 def run_batch(cfg: ServeConfig, session: EdgeSession, progress=None) -> list[dict]:
-    """Answer every line of cfg.batch; write cfg.output atomically (one JSON object per line)."""
+    """Answer every line of cfg.batch, all in flight together through the engine; write cfg.output atomically
+    (one JSON object per line, in input order)."""
     rows = read_batch(cfg.batch, cfg)
     advance = Steps(progress).task("requests", len(rows))
+    engine = Engine(session, max_batch=cfg.max_batch, max_queue=max(len(rows), 1))
+    done: dict[int, Result] = {}
+    finished = threading.Condition()
+
+    def on_done(n: int):
+        def on_event(kind: str, payload) -> None:
+            if kind == "done":
+                with finished:
+                    done[n] = payload
+                    finished.notify()
+        return on_event
+
+    try:
+        for n, (_, prompt, params) in enumerate(rows):
+            engine.submit(GenRequest(session.encode_user(prompt), params), on_done(n))
+        seen = 0
+        with finished:
+            while len(done) < len(rows):
+                finished.wait()
+                for _ in range(len(done) - seen):
+                    advance()
+                seen = len(done)
+    finally:
+        engine.close()
+    kv = session.describe()
     out = []
-    for request_id, prompt, params in rows:
-        start = time.perf_counter()
-        done = session.complete(prompt, params)
-        kv = session.describe()
-        out.append({"id": request_id, "text": done.text, "finish_reason": done.finish_reason,
-                    "prompt_tokens": done.prompt_tokens, "completion_tokens": len(done.token_ids),
-                    "ttft_s": done.ttft_s, "total_s": time.perf_counter() - start,
-                    "layer_wait_s": done.layer_wait_s, "bytes_loaded": kv["bytes_loaded"],
+    for n, (request_id, _, _) in enumerate(rows):
+        r = done[n]
+        if r.finish_reason == "error":
+            raise EdgeKVError(f"request {request_id}: {r.error}")
+        out.append({"id": request_id, "text": r.text, "finish_reason": "stop" if r.finish_reason == "stop" else
+                    "length", "prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.token_ids),
+                    "ttft_s": r.ttft_s, "total_s": r.total_s, "layer_wait_s": r.layer_wait_s,
+                    "bytes_loaded": kv["bytes_loaded"],
                     "upload_bytes_user": 0,  # the user prompt is tokenized and answered here; nothing is sent
                     "kv_source": kv["source"], "layer_sources": kv["layer_sources"],
                     "timings": {"shallow_prefill_s": kv["shallow_prefill_s"], "layers": kv["layers"]}})
-        advance()
     write_text_atomic(cfg.output, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out))
     return out

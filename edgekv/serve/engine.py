@@ -68,6 +68,7 @@ class Result:
     tokens: list[TokenInfo]  # the answer's tokens (with log-probs when asked)
     prompt: list[TokenInfo] | None = None  # echo: the prompt's tokens
     error: str | None = None
+    layer_wait_s: float = 0.0  # time the prefill waited for system-KV layers still in transit
 
 
 class Sequence:
@@ -89,6 +90,7 @@ class Sequence:
         self.prompt_infos: list[TokenInfo] | None = None
         self.cancelled = threading.Event()
         self.finish: str | None = None
+        self.layer_wait = 0.0
 
 
 class Engine:
@@ -208,7 +210,7 @@ class Engine:
         """The user prompt over the shared system KV: its own KV, the first token (and the prompt's log-probs)."""
         s = self.session
         ids = seq.req.user_ids
-        cache = s.new_cache()
+        cache = s.new_cache(on_wait=lambda t: setattr(seq, "layer_wait", seq.layer_wait + t))
         positions = torch.arange(s.prefix_len, s.prefix_len + ids.numel())[None]
         keep = 0 if seq.req.echo and seq.req.logprobs is not None else 1
         logits = self.model(input_ids=ids[None], past_key_values=cache, position_ids=positions, use_cache=True,
@@ -305,7 +307,7 @@ class Engine:
         self.stats["cancelled" if reason == "cancelled" else "finished"] += 1
         seq.own = []
         result = Result(seq.text, list(seq.tokens), reason, int(seq.req.user_ids.numel()), seq.ttft or 0.0,
-                        time.perf_counter() - seq.submitted, seq.infos, seq.prompt_infos, error)
+                        time.perf_counter() - seq.submitted, seq.infos, seq.prompt_infos, error, seq.layer_wait)
         try:
             seq.on_event("done", result)
         except Exception:  # a caller's callback must never take the engine down

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,12 +32,16 @@ class ServeConfig:
     latency_ms: float = 0.0
     max_new_tokens: int = 64
     max_tokens_limit: int = 512
-    max_body_bytes: int = 65536
+    max_body_bytes: int = 1 << 20
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
     local_sink_tokens: int | None = None  # None: as the export says
     cache_dir: str | None = None  # where verified copies of remote exports are kept
+    api_key: str | None = None  # Bearer key for /v1/* (else EDGEKV_API_KEY; none: open)
+    max_batch: int = 32  # requests decoded together per engine step (1: one at a time)
+    max_queue: int = 256  # requests in flight (waiting + running); more are answered 429
+    served_model_name: str | None = None  # the id in /v1/models [the export's folder name]
 
     def validate(self) -> None:
         """One-line errors for out-of-range values, before any model is loaded."""
@@ -54,6 +59,9 @@ class ServeConfig:
             raise EdgeKVError(f"cannot write {self.output}: its directory does not exist")
         if self.max_body_bytes < 64 or self.max_tokens_limit < 1:
             raise EdgeKVError("--max-body-bytes must be ≥ 64 and --max-tokens-limit ≥ 1")
+        if self.max_batch < 1 or self.max_queue < self.max_batch:
+            raise EdgeKVError(f"--max-batch must be ≥ 1 and --max-queue ≥ --max-batch, got {self.max_batch}, "
+                              f"{self.max_queue}")
         if self.local_sink_tokens is not None and self.local_sink_tokens < 0:
             raise EdgeKVError(f"--local-sink-tokens must be ≥ 0, got {self.local_sink_tokens}")
         self.link()
@@ -78,7 +86,9 @@ def open_session(cfg: ServeConfig) -> EdgeSession:
 
 def open_server(cfg: ServeConfig, session: EdgeSession) -> EdgeServer:
     """Bind the HTTP server of a session (a port in use is a one-line error)."""
+    api_key = cfg.api_key or os.environ.get("EDGEKV_API_KEY") or None
     try:
-        return EdgeServer(session, cfg.host, cfg.port, cfg.max_body_bytes, cfg.max_tokens_limit, cfg.sampling())
+        return EdgeServer(session, cfg.host, cfg.port, cfg.max_body_bytes, cfg.max_tokens_limit, cfg.sampling(),
+                          api_key, cfg.max_batch, cfg.max_queue, cfg.served_model_name)
     except OSError as exc:
         raise EdgeKVError(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}") from exc
