@@ -124,7 +124,7 @@ class Engine:
         if req.user_ids.numel() == 0:
             raise EdgeKVError("the prompt is empty")
         with self.cv:
-            if len(self.waiting) + len(self.running) >= self.max_queue:
+            if len(self.waiting) + self._running() >= self.max_queue:
                 raise EngineBusy(f"the server is at capacity ({self.max_queue} requests in flight); retry later")
             seq = Sequence(next(self.ids), req, on_event, self.session.num_layers)
             self.waiting.append(seq)
@@ -155,7 +155,10 @@ class Engine:
     def load(self) -> dict[str, int]:
         """Requests waiting and running."""
         with self.cv:
-            return {"waiting": len(self.waiting), "running": len(self.running)}
+            return {"waiting": len(self.waiting), "running": self._running()}
+
+    def _running(self) -> int:
+        return sum(s.finish is None for s in self.running)  # a finished one leaves the list at its step's end
 
     def close(self) -> None:
         """Stop the loop (requests in flight end as cancelled)."""
