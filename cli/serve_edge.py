@@ -11,13 +11,15 @@ from cli.common import console, one_line_errors, progress_bar
 from edgekv.config import load_config
 from edgekv.serve.batch import run_batch
 from edgekv.serve.http_server import serve
+from edgekv.serve.pool import ExportPool
 from edgekv.serve.serve_job import ServeConfig, open_server, open_session
 
 
 @one_line_errors
 def serve_edge(
     edge: Optional[str] = typer.Option(None, help="Edge model: alias, hub id, directory or .gguf [default-edge]."),
-    kv: Optional[str] = typer.Option(None, help="KV export: directory, .tar, or URL (http(s)://, s3://, …)."),
+    kv: Optional[list[str]] = typer.Option(None, help="KV export: directory, .tar, or URL (http(s)://, s3://, …); "
+                                         "repeat it (or give a folder of exports) to serve one model per export."),
     system_prompt: Optional[str] = typer.Option(None, help="TEXT or @FILE; used for local prefill if no export."),
     host: Optional[str] = typer.Option(None, help="Bind address [127.0.0.1]."),
     port: Optional[int] = typer.Option(None, help="Port [8000]."),
@@ -32,6 +34,8 @@ def serve_edge(
     max_batch: Optional[int] = typer.Option(None, help="Requests decoded together per engine step [32]."),
     max_queue: Optional[int] = typer.Option(None, help="Requests in flight; beyond it → 429 [256]."),
     served_model_name: Optional[str] = typer.Option(None, help="Model id in /v1/models [the export's name]."),
+    max_kv_mb: Optional[float] = typer.Option(None, help="System KV held in memory; idle exports beyond it are "
+                                                         "unloaded and reloaded on demand [no limit]."),
     temperature: Optional[float] = typer.Option(None, help="Default temperature (0 = greedy) [0]."),
     top_p: Optional[float] = typer.Option(None, help="Default nucleus top-p [1]."),
     seed: Optional[int] = typer.Option(None, help="Default sampling seed [0]."),
@@ -41,18 +45,24 @@ def serve_edge(
     config: Optional[Path] = typer.Option(None, help="YAML config (flags override it)."),
 ) -> None:
     """Serve the edge model over a system-prompt KV export: HTTP (OpenAI-style, SSE) or a JSONL batch."""
-    overrides = dict(edge=edge, kv=kv, system_prompt=system_prompt, host=host, port=port,
+    kv_value = (kv[0] if len(kv) == 1 else list(kv)) if kv else None
+    overrides = dict(edge=edge, kv=kv_value, system_prompt=system_prompt, host=host, port=port,
                      batch=str(batch) if batch else None, output=str(output) if output else None,
                      bandwidth_mbps=bandwidth_mbps, latency_ms=latency_ms, max_new_tokens=max_new_tokens,
                      max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes, temperature=temperature,
                      top_p=top_p, seed=seed, local_sink_tokens=local_sink_tokens,
                      cache_dir=str(cache_dir) if cache_dir else None, dtype=dtype, api_key=api_key,
-                     max_batch=max_batch, max_queue=max_queue, served_model_name=served_model_name)
+                     max_batch=max_batch, max_queue=max_queue, served_model_name=served_model_name,
+                     max_kv_mb=max_kv_mb)
     cfg = load_config(ServeConfig, "serve_edge", config, overrides)
     session = open_session(cfg)
-    info = session.describe()
-    console.print(f"edge {session.edge.spec}: system prompt {info['system_prompt_tokens']} tokens, layers "
-                  f"< {info['start_layer']} local, the rest from {info['source']}")
+    if isinstance(session, ExportPool):
+        console.print(f"edge {cfg.edge}: {len(session.ids())} exports ({', '.join(session.ids())}), "
+                      f"{session.held_bytes() / 2**20:.1f} MiB of system KV loaded")
+    else:
+        info = session.describe()
+        console.print(f"edge {session.edge.spec}: system prompt {info['system_prompt_tokens']} tokens, layers "
+                      f"< {info['start_layer']} local, the rest from {info['source']}")
     if cfg.batch:
         with progress_bar() as progress:
             rows = run_batch(cfg, session, progress)
@@ -62,6 +72,6 @@ def serve_edge(
                       f"{', '.join(session.describe()['layer_sources'])}")
         return
     server = open_server(cfg, session)
-    console.print(f"listening on http://{cfg.host}:{server.server_address[1]} as model '{server.model_id}' "
+    console.print(f"listening on http://{cfg.host}:{server.server_address[1]} as {', '.join(server.pool.ids())} "
                   "(POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics); Ctrl-C stops")
     serve(server)

@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from edgekv.serve.http_server import EdgeServer
-from edgekv.serve.session import EdgeSession
+from edgekv.serve.session import EdgeSession, SamplingParams
 from tests.test_serving import USERS, _export, edge, edge_dir  # noqa: F401 (fixtures)
 
 KEY = "sk-test-edgekv"
@@ -124,3 +124,34 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(client, served):
             break
         threading.Event().wait(0.05)
     assert srv.engine.load() == {"waiting": 0, "running": 0}
+
+
+def test_many_exports_per_server_and_a_memory_budget(edge, edge_dir, tmp_path):  # noqa: F811
+    from edgekv.serve.serve_job import ServeConfig, open_server, open_session
+
+    folder = tmp_path / "exports"
+    _export(edge_dir, folder / "support", 1)
+    _export(edge_dir, folder / "legal", 1, system="System: you answer questions about contracts, tersely. ")
+    one = EdgeSession(edge, str(folder / "support"), cache_dir=tmp_path / "c")
+    budget_mb = one.system_kv_bytes * 1.5 / 2**20  # room for one export's system KV, not two
+    cfg = ServeConfig(edge=edge_dir, kv=str(folder), dtype="float32", port=1, max_kv_mb=budget_mb,
+                      cache_dir=str(tmp_path / "c"), max_tokens_limit=16, max_new_tokens=8)
+    pool = open_session(cfg)
+    assert pool.ids() == ["legal", "support"] and len(pool.loaded()) == 1  # both verified at start, one kept
+    cfg.port = 0
+    srv = open_server(cfg, pool)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.server_address[1]}/v1", api_key="none",
+                               max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["legal", "support"]
+        ask = lambda m: client.completions.create(model=m, prompt=USERS[0], max_tokens=8).choices[0].text  # noqa
+        support, legal = ask("support"), ask("legal")
+        assert support == one.complete(USERS[0], SamplingParams(max_new_tokens=8)).text
+        assert support != legal  # another system prompt, another answer
+        assert list(pool.loaded()) == ["legal"] and pool.stats["unloads"] >= 2
+        assert ask("support") == support  # reloaded (verified again) on demand, same answer
+        with pytest.raises(openai.NotFoundError):
+            ask("nope")
+    finally:
+        srv.server_close()

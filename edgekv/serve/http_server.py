@@ -10,12 +10,12 @@ import asyncio
 import logging
 import socket
 import threading
-from pathlib import Path
 
 import uvicorn
 
 from edgekv.serve.engine import Engine
 from edgekv.serve.openai_api import APISettings, build_app
+from edgekv.serve.pool import ExportPool, export_id
 from edgekv.serve.session import EdgeSession, SamplingParams
 
 log = logging.getLogger("edgekv")
@@ -36,22 +36,23 @@ def model_id(session: EdgeSession, name: str | None = None) -> str:
     """The id /v1/models shows for a session: `name`, else the export's folder name, else 'edge-local'."""
     if name:
         return name
-    if session.export is not None:
-        return Path(str(session.export.path).rstrip("/")).name.removesuffix(".tar") or "edge"
-    return "edge-local"
+    return export_id(str(session.export.path)) if session.export is not None else "edge-local"
 
 
 class EdgeServer:
-    """uvicorn + the FastAPI app over one session's engine."""
+    """uvicorn + the FastAPI app over one session's engine, or over a pool of exports."""
 
-    def __init__(self, session: EdgeSession, host: str = "127.0.0.1", port: int = 8000, max_body: int = 1 << 20,
-                 max_tokens_limit: int = 512, defaults: SamplingParams | None = None, api_key: str | None = None,
-                 max_batch: int = 32, max_queue: int = 256, name: str | None = None):
-        self.session = session
-        self.engine = Engine(session, max_batch=max_batch, max_queue=max_queue)
-        self.model_id = model_id(session, name)
+    def __init__(self, session: EdgeSession | ExportPool, host: str = "127.0.0.1", port: int = 8000,
+                 max_body: int = 1 << 20, max_tokens_limit: int = 512, defaults: SamplingParams | None = None,
+                 api_key: str | None = None, max_batch: int = 32, max_queue: int = 256, name: str | None = None):
+        if isinstance(session, ExportPool):
+            self.pool, self.session = session, None
+        else:
+            self.pool = ExportPool.of_session(model_id(session, name), session, max_batch, max_queue)
+            self.session = session
+        self.model_id = self.pool.ids()[0]
         self.settings = APISettings(api_key, max_body, max_tokens_limit, defaults)
-        self.app = build_app({self.model_id: self.engine}, self.settings)
+        self.app = build_app(self.pool, self.settings)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -59,7 +60,7 @@ class EdgeServer:
             self.sock.bind((host, port))
         except OSError:
             self.sock.close()
-            self.engine.close()
+            self.pool.close()
             raise
         self.sock.listen(2048)  # clients connecting before uvicorn starts wait in the backlog
         self.server_address = self.sock.getsockname()
@@ -85,8 +86,13 @@ class EdgeServer:
         if self.running.is_set():
             self.server.should_exit = True
             self.stopped.wait(10)
-        self.engine.close()
+        self.pool.close()
         self.sock.close()
+
+    @property
+    def engine(self) -> Engine:
+        """The engine of the first model (the only one of a single-session server)."""
+        return self.pool.get(self.model_id)
 
 
 def serve(server: EdgeServer) -> None:

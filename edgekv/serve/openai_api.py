@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgekv import EdgeKVError
 from edgekv.serve.engine import Engine, EngineBusy, GenRequest, Result, TokenInfo
+from edgekv.serve.pool import ExportPool
 from edgekv.serve.session import SamplingParams
 
 MAX_LOGPROBS = 5
@@ -96,11 +97,10 @@ class ChatRequest(BaseModel):
 
 @dataclass
 class ServedModel:
-    """One model id of /v1/models: an engine over one system-prompt export."""
+    """The model a request picked: its id and the engine over its system-prompt export."""
 
     id: str
     engine: Engine
-    created: int
 
 
 @dataclass
@@ -116,12 +116,16 @@ class APISettings:
         self.defaults = self.defaults or SamplingParams()
 
 
-def build_app(models: dict[str, Engine], settings: APISettings | None = None) -> FastAPI:
-    """The FastAPI application over `models` (model id → engine)."""
+def build_app(pool: ExportPool | dict[str, Engine], settings: APISettings | None = None) -> FastAPI:
+    """The FastAPI application over a pool of exports (model id → engine, loaded on demand)."""
     settings = settings or APISettings()
-    served = {k: ServedModel(k, e, int(time.time())) for k, e in models.items()}
+    if isinstance(pool, dict):  # engines already open: a pool that never unloads them
+        engines, pool = pool, ExportPool(lambda s: None, {})
+        for k, e in engines.items():
+            pool.add(k, e)
+    created = int(time.time())
     app = FastAPI(title="edgekv serve-edge", version="1", docs_url=None, redoc_url=None)
-    app.state.served, app.state.settings = served, settings
+    app.state.pool, app.state.settings = pool, settings
     app.state.http_errors = 0
     registry = CollectorRegistry()
     registry.register(_EngineCollector(app))
@@ -169,7 +173,7 @@ def build_app(models: dict[str, Engine], settings: APISettings | None = None) ->
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "models": list(served)}
+        return {"status": "ok", "models": pool.ids(), "loaded": list(pool.loaded())}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
@@ -177,12 +181,12 @@ def build_app(models: dict[str, Engine], settings: APISettings | None = None) ->
 
     @app.get("/v1/models", dependencies=[Depends(auth)])
     async def list_models() -> dict:
-        return {"object": "list", "data": [{"id": m.id, "object": "model", "created": m.created,
-                                            "owned_by": "edgekv"} for m in served.values()]}
+        return {"object": "list", "data": [{"id": k, "object": "model", "created": created, "owned_by": "edgekv"}
+                                           for k in pool.ids()]}
 
     @app.post("/v1/completions", dependencies=[Depends(auth)])
     async def completions(body: CompletionRequest, request: Request):
-        model = _pick_model(served, body.model)
+        model = await _pick_model(pool, body.model)
         if body.n != 1:
             raise APIError(400, "only n = 1 is supported", param="n")
         if body.stream and body.echo:
@@ -201,7 +205,7 @@ def build_app(models: dict[str, Engine], settings: APISettings | None = None) ->
 
     @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
     async def chat(body: ChatRequest, request: Request):
-        model = _pick_model(served, body.model)
+        model = await _pick_model(pool, body.model)
         if body.n != 1:
             raise APIError(400, "only n = 1 is supported", param="n")
         ids = chat_prompt_ids(model.engine, [m.model_dump() for m in body.messages])
@@ -225,13 +229,19 @@ def build_app(models: dict[str, Engine], settings: APISettings | None = None) ->
 
 # ------------------------------------------------------------------------------------------- requests
 
-def _pick_model(served: dict[str, ServedModel], name: str | None) -> ServedModel:
-    if name is None and len(served) == 1:
-        return next(iter(served.values()))
-    if name not in served:
+async def _pick_model(pool: ExportPool, name: str | None) -> ServedModel:
+    """The request's model (the only one when it names none); an unloaded export is loaded off the event loop."""
+    ids = pool.ids()
+    if name is None and len(ids) == 1:
+        name = ids[0]
+    if name not in ids:
         raise APIError(404, f"the model '{name}' does not exist (GET /v1/models lists them)", param="model",
                        code="model_not_found")
-    return served[name]
+    try:
+        return ServedModel(name, await asyncio.to_thread(pool.get, name))
+    except EdgeKVError as exc:
+        raise APIError(503, f"the model '{name}' could not be loaded: {exc}", type_="server_error",
+                       code="model_unavailable") from exc
 
 
 def _prompt_ids(engine: Engine, prompt) -> list[torch.Tensor]:
@@ -484,24 +494,25 @@ class _EngineCollector:
         self.app = app
 
     def collect(self):
-        served = self.app.state.served
+        pool = self.app.state.pool
+        served = [ServedModel(k, e) for k, e in pool.loaded().items()]
         counters = {"requests": "Requests accepted", "finished": "Requests finished", "cancelled":
                     "Requests cancelled (client gone)", "errors": "Engine steps that failed", "prompt_tokens":
                     "User-prompt tokens prefilled", "completion_tokens": "Tokens generated", "steps":
                     "Engine steps", "batched_tokens": "Tokens processed by engine forwards"}
         for key, doc in counters.items():
             c = CounterMetricFamily(f"edgekv_{key}", doc, labels=["model"])
-            for m in served.values():
+            for m in served:
                 c.add_metric([m.id], m.engine.stats[key])
             yield c
         for key in ("waiting", "running"):
             g = GaugeMetricFamily(f"edgekv_requests_{key}", f"Requests {key}", labels=["model"])
-            for m in served.values():
+            for m in served:
                 g.add_metric([m.id], m.engine.load()[key])
             yield g
         g = GaugeMetricFamily("edgekv_ttft_seconds", "Time to first token, recent requests", labels=["model",
                                                                                                   "quantile"])
-        for m in served.values():
+        for m in served:
             xs = sorted(m.engine.stats["ttft_s"])
             for q in (0.5, 0.9, 0.99):
                 if xs:
@@ -509,3 +520,6 @@ class _EngineCollector:
         yield g
         yield CounterMetricFamily("edgekv_http_errors", "Requests answered with an error",
                                   value=self.app.state.http_errors)
+        for key in ("loads", "unloads"):
+            yield CounterMetricFamily(f"edgekv_export_{key}", f"Export {key} (memory budget)", value=pool.stats[key])
+        yield GaugeMetricFamily("edgekv_system_kv_bytes", "System KV held by loaded exports", value=pool.held_bytes())

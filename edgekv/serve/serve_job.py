@@ -11,6 +11,7 @@ from edgekv.config import command_config
 from edgekv.models.loading import DTYPES, load_model
 from edgekv.serve.http_server import EdgeServer
 from edgekv.serve.pipeline import Link
+from edgekv.serve.pool import ExportPool, expand_sources, export_id
 from edgekv.serve.session import EdgeSession, SamplingParams
 from edgekv.texts import read_system_prompt
 
@@ -21,7 +22,7 @@ class ServeConfig:
     """Everything `edgekv serve-edge` needs."""
 
     edge: str = "default-edge"
-    kv: str | None = None  # export directory, .tar, or URL
+    kv: str | list[str] | None = None  # export dir, .tar or URL; several (or a folder of them): one model each
     system_prompt: str | None = None  # TEXT or @FILE: required only to prefill locally when no export is readable
     dtype: str = "bfloat16"
     host: str = "127.0.0.1"
@@ -41,7 +42,8 @@ class ServeConfig:
     api_key: str | None = None  # Bearer key for /v1/* (else EDGEKV_API_KEY; none: open)
     max_batch: int = 32  # requests decoded together per engine step (1: one at a time)
     max_queue: int = 256  # requests in flight (waiting + running); more are answered 429
-    served_model_name: str | None = None  # the id in /v1/models [the export's folder name]
+    served_model_name: str | None = None  # the id in /v1/models [the export's folder name]; one export only
+    max_kv_mb: float | None = None  # system KV held in memory; idle exports beyond it are unloaded (LRU)
 
     def validate(self) -> None:
         """One-line errors for out-of-range values, before any model is loaded."""
@@ -59,6 +61,11 @@ class ServeConfig:
             raise EdgeKVError(f"cannot write {self.output}: its directory does not exist")
         if self.max_body_bytes < 64 or self.max_tokens_limit < 1:
             raise EdgeKVError("--max-body-bytes must be ≥ 64 and --max-tokens-limit ≥ 1")
+        if len(self.kv_list()) > 1 and (self.batch or self.served_model_name or self.system_prompt):
+            raise EdgeKVError("several --kv exports serve over HTTP only, each named by its folder (no --batch, "
+                              "--served-model-name or --system-prompt)")
+        if self.max_kv_mb is not None and self.max_kv_mb <= 0:
+            raise EdgeKVError(f"--max-kv-mb must be > 0, got {self.max_kv_mb}")
         if self.max_batch < 1 or self.max_queue < self.max_batch:
             raise EdgeKVError(f"--max-batch must be ≥ 1 and --max-queue ≥ --max-batch, got {self.max_batch}, "
                               f"{self.max_queue}")
@@ -66,6 +73,12 @@ class ServeConfig:
             raise EdgeKVError(f"--local-sink-tokens must be ≥ 0, got {self.local_sink_tokens}")
         self.link()
         self.sampling().validate(self.max_tokens_limit)
+
+    def kv_list(self) -> list[str]:
+        """The --kv sources, a folder of exports expanded."""
+        if self.kv is None:
+            return []
+        return expand_sources([self.kv] if isinstance(self.kv, str) else list(self.kv))
 
     def link(self) -> Link:
         """The emulated link."""
@@ -76,15 +89,28 @@ class ServeConfig:
         return SamplingParams(self.max_new_tokens, self.temperature, self.top_p, self.seed)
 
 
-def open_session(cfg: ServeConfig) -> EdgeSession:
-    """Load the edge model and open the KV source (pipelined loading starts at once)."""
+def open_session(cfg: ServeConfig) -> EdgeSession | ExportPool:
+    """Load the edge model and open the KV source (pipelined loading starts at once); with several exports, a
+    pool that opens (and verifies) each one now and keeps within --max-kv-mb."""
     cfg.validate()
     edge = load_model(cfg.edge, cfg.dtype)
     system = read_system_prompt(cfg.system_prompt) if cfg.system_prompt else None
-    return EdgeSession(edge, cfg.kv, system, cfg.link(), cfg.cache_dir, cfg.local_sink_tokens)
+    sources = cfg.kv_list()
+    if len(sources) <= 1 and cfg.max_kv_mb is None:
+        return EdgeSession(edge, sources[0] if sources else None, system, cfg.link(), cfg.cache_dir,
+                           cfg.local_sink_tokens)
+    ids = [export_id(s) for s in sources]
+    if len(set(ids)) < len(ids):
+        raise EdgeKVError(f"two exports share a name ({', '.join(ids)}); model ids are folder names")
+    budget = None if cfg.max_kv_mb is None else int(cfg.max_kv_mb * 2**20)
+    pool = ExportPool(lambda kv: EdgeSession(edge, kv, None, cfg.link(), cfg.cache_dir, cfg.local_sink_tokens),
+                      dict(zip(ids, sources)), budget, cfg.max_batch, cfg.max_queue)
+    for k in ids:  # a bad export is refused at start
+        pool.get(k)
+    return pool
 
 
-def open_server(cfg: ServeConfig, session: EdgeSession) -> EdgeServer:
+def open_server(cfg: ServeConfig, session: EdgeSession | ExportPool) -> EdgeServer:
     """Bind the HTTP server of a session (a port in use is a one-line error)."""
     api_key = cfg.api_key or os.environ.get("EDGEKV_API_KEY") or None
     try:
