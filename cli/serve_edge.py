@@ -34,6 +34,8 @@ def serve_edge(
     max_batch: Optional[int] = typer.Option(None, help="Requests decoded together per engine step [32]."),
     max_queue: Optional[int] = typer.Option(None, help="Requests in flight; beyond it → 429 [256]."),
     served_model_name: Optional[str] = typer.Option(None, help="Model id in /v1/models [the export's name]."),
+    peer_kv: Optional[str] = typer.Option(None, help="Same-model export of the system prompt from a nearby edge: "
+                                                     "its layers < m replace the local shallow prefill."),
     max_kv_mb: Optional[float] = typer.Option(None, help="System KV held in memory; idle exports beyond it are "
                                                          "unloaded and reloaded on demand [no limit]."),
     temperature: Optional[float] = typer.Option(None, help="Default temperature (0 = greedy) [0]."),
@@ -53,7 +55,7 @@ def serve_edge(
                      top_p=top_p, seed=seed, local_sink_tokens=local_sink_tokens,
                      cache_dir=str(cache_dir) if cache_dir else None, dtype=dtype, api_key=api_key,
                      max_batch=max_batch, max_queue=max_queue, served_model_name=served_model_name,
-                     max_kv_mb=max_kv_mb)
+                     max_kv_mb=max_kv_mb, peer_kv=peer_kv)
     cfg = load_config(ServeConfig, "serve_edge", config, overrides)
     session = open_session(cfg)
     if isinstance(session, ExportPool):

@@ -374,3 +374,19 @@ def test_cli_batch_bad_input(edge_dir, export, tmp_path):
     result = runner.invoke(app, ["serve-edge", "--edge", edge_dir, "--kv", str(tmp_path / "nope")])
     assert result.exit_code == 1 and "no KV export there" in result.output
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_peer_shallow_layers_replace_the_local_prefill(edge, edge_dir, tmp_path, caplog):
+    deep = _export(edge_dir, tmp_path / "deep", start_layer=2)
+    peer = _export(edge_dir, tmp_path / "peer", start_layer=0)  # a nearby edge's own export, every layer
+    alone = EdgeSession(edge, str(deep), cache_dir=tmp_path / "c")
+    shared = EdgeSession(edge, str(deep), cache_dir=tmp_path / "c", peer_kv=str(peer))
+    assert shared.describe()["shallow_source"] == "peer" and alone.describe()["shallow_source"] == "local"
+    params = SamplingParams(max_new_tokens=12)
+    for user in USERS:
+        a, b = alone.complete(user, params), shared.complete(user, params)
+        assert a.token_ids == b.token_ids and (a.first_logits - b.first_logits).abs().max() < 1e-5
+    other = _export(edge_dir, tmp_path / "other", start_layer=0, system="System: another prompt entirely. ")
+    with caplog.at_level(logging.WARNING, logger="edgekv"):
+        fallback = EdgeSession(edge, str(deep), cache_dir=tmp_path / "c", peer_kv=str(other))
+    assert fallback.describe()["shallow_source"] == "local" and "another system prompt" in caplog.text

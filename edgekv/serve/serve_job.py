@@ -43,6 +43,7 @@ class ServeConfig:
     max_batch: int = 32  # requests decoded together per engine step (1: one at a time)
     max_queue: int = 256  # requests in flight (waiting + running); more are answered 429
     served_model_name: str | None = None  # the id in /v1/models [the export's folder name]; one export only
+    peer_kv: str | None = None  # same-model export of the system prompt from a nearby edge: the shallow layers
     max_kv_mb: float | None = None  # system KV held in memory; idle exports beyond it are unloaded (LRU)
 
     def validate(self) -> None:
@@ -98,7 +99,7 @@ def open_session(cfg: ServeConfig) -> EdgeSession | ExportPool:
     sources = cfg.kv_list()
     if len(sources) <= 1 and cfg.max_kv_mb is None:
         return EdgeSession(edge, sources[0] if sources else None, system, cfg.link(), cfg.cache_dir,
-                           cfg.local_sink_tokens)
+                           cfg.local_sink_tokens, cfg.peer_kv)
     ids = [export_id(s) for s in sources]
     if len(set(ids)) < len(ids):
         raise EdgeKVError(f"two exports share a name ({', '.join(ids)}); model ids are folder names")

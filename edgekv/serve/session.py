@@ -24,7 +24,16 @@ from edgekv import EdgeKVError
 from edgekv.attention.fuse import enable_fusion
 from edgekv.attention.shared_prefix import SharedPrefixLayer
 from edgekv.kv.decode import decode_layer, edge_kv
-from edgekv.kv.export import Expect, FetchError, KVExport, KVStoreError, is_url, tokenizer_fingerprint, write_copy
+from edgekv.kv.export import (
+    Expect,
+    FetchError,
+    KVExport,
+    KVStoreError,
+    is_url,
+    token_ids_sha256,
+    tokenizer_fingerprint,
+    write_copy,
+)
 from edgekv.models.loading import LoadedModel
 from edgekv.models.structure import attn_shape, decoder_layers
 from edgekv.serve.pipeline import Fallback, LayerLoader, Link, events_as_dicts
@@ -123,7 +132,8 @@ class EdgeSession:
     """An edge model + one system prompt whose KV (local shallow layers, exported deep layers) all requests share."""
 
     def __init__(self, edge: LoadedModel, kv: str | None = None, system_prompt: str | None = None,
-                 link: Link | None = None, cache_dir: str | Path | None = None, local_sink_tokens: int | None = None):
+                 link: Link | None = None, cache_dir: str | Path | None = None, local_sink_tokens: int | None = None,
+                 peer_kv: str | None = None):
         self.edge, self.link = edge, link or Link()
         self.model = edge.model
         self.dtype = next(self.model.parameters()).dtype
@@ -153,6 +163,7 @@ class EdgeSession:
         self.splice = self.export.manifest.get("splice", "replace") if self.export is not None else "replace"
         self._fusion_lock = threading.Lock()
         self._fusion: tuple[dict[int, KVPair], dict] | None = None
+        self.peer_kv, self.shallow_source = peer_kv, "local"
         self._build(local_sink_tokens)
 
     # ------------------------------------------------------------------------------------------- sources
@@ -202,12 +213,35 @@ class EdgeSession:
             self.loader = LayerLoader(self.export, self.model, self.dtype, self.link, fallbacks, sink_kv,
                                       on_loaded=self._keep_copy if self.source == "remote" else None).start()
         if self.prefix_len:
-            self.shallow = prefix_kv(self.model, self.system_ids, self.start_layer)
+            peer = self._peer_shallow(self.start_layer) if self.peer_kv and self.start_layer else None
+            self.shallow_source = "peer" if peer is not None else "local"
+            self.shallow = peer if peer is not None else prefix_kv(self.model, self.system_ids, self.start_layer)
         else:
             _, kv_heads, head_dim = attn_shape(self.model)
             empty = torch.zeros(1, kv_heads, 0, head_dim, dtype=self.dtype)
             self.shallow = [(empty, empty)] * self.num_layers
         self.timings = {"shallow_prefill_s": time.perf_counter() - start}
+
+    def _peer_shallow(self, n: int) -> list[KVPair] | None:
+        """Layers 0..n−1 from a same-model export of this system prompt made by a nearby edge (CE-LSLM: shallow
+        layers "computed locally or reused from nearby peers"); None (computed locally) if it is unusable."""
+        try:
+            export = KVExport(self.peer_kv, self._expect())
+            m = export.manifest
+            if m.get("regime") != "same-model":
+                raise KVStoreError("not a same-model export of this edge model")
+            if m["system_prompt"]["token_ids_sha256"] != token_ids_sha256(self.system_ids.tolist()):
+                raise KVStoreError("made for another system prompt")
+            if not set(range(n)) <= set(export.layer_indices):
+                raise KVStoreError(f"lacks some of layers 0..{n - 1}")
+            out = []
+            for i in range(n):
+                keys, values = edge_kv(decode_layer(export, i), self.model)
+                out.append((keys[None].to(self.dtype), values[None].to(self.dtype)))
+            return out
+        except EdgeKVError as exc:
+            log.warning("peer KV %s unusable (%s); computing the shallow layers locally", self.peer_kv, exc)
+            return None
 
     def _build_fused(self) -> None:
         """Fuse mode: the edge prefills its own KV of every layer while the cloud KV of the fuser's open layers
@@ -385,7 +419,8 @@ class EdgeSession:
 
     def describe(self) -> dict:
         """Where the system KV came from and what loading cost (for logs, /metrics and batch output)."""
-        out = {"source": self.source, "system_prompt_tokens": self.prefix_len, "start_layer": self.start_layer,
+        out = {"source": self.source, "shallow_source": self.shallow_source,
+               "system_prompt_tokens": self.prefix_len, "start_layer": self.start_layer,
                "sink_tokens": self.sink_tokens, "splice": self.splice, **self.timings}
         if self.splice == "fuse":
             out["fused_layers"] = self.loader.layers
