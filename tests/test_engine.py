@@ -23,24 +23,27 @@ def session(edge, edge_dir, tmp_path):  # noqa: F811 (the imported fixtures)
 
 
 def test_relay_attention_equals_one_softmax_over_system_and_own_keys():
+    """A packed step of two decode rows and a 3-token prefill chunk = per request, one causal softmax over
+    [system keys; its own keys] (float64)."""
     torch.manual_seed(0)
     heads, kv_heads, d, s = 4, 2, 8, 11
-    sys_k, sys_v = torch.randn(1, kv_heads, s, d, dtype=torch.float64), torch.randn(1, kv_heads, s, d,
-                                                                                   dtype=torch.float64)
-    lengths = torch.tensor([3, 1, 5])
-    own_k = torch.randn(3, kv_heads, 5, d, dtype=torch.float64)
-    own_v = torch.randn(3, kv_heads, 5, d, dtype=torch.float64)
-    q = torch.randn(3, heads, 1, d, dtype=torch.float64)
+    f64 = dict(dtype=torch.float64)
+    sys_k, sys_v = torch.randn(1, kv_heads, s, d, **f64), torch.randn(1, kv_heads, s, d, **f64)
+    own_lens, q_lens = [3, 1, 5], [1, 1, 3]  # own lengths after the step, the new tokens last
+    own = [[torch.randn(1, kv_heads, n, d, **f64), torch.randn(1, kv_heads, n, d, **f64)] for n in own_lens]
+    q = torch.randn(1, heads, sum(q_lens), d, **f64)
 
     class Layer(torch.nn.Module):
         layer_idx = 0
 
-    out = relay_attention(Layer(), q, own_k, own_v, RelayBatch(lambda i: (sys_k, sys_v), lengths))
-    for b, n in enumerate(lengths.tolist()):
-        keys = torch.cat([sys_k[0], own_k[b, :, :n]], 1)[None]
-        values = torch.cat([sys_v[0], own_v[b, :, :n]], 1)[None]
-        want, _ = segment_attention(q[b:b + 1], keys, values)
-        assert (out[b].transpose(0, 1) - want[0]).abs().max() < 1e-12
+    out = relay_attention(Layer(), q, RelayBatch(lambda i: (sys_k, sys_v), own, q_lens))  # (1, ΣT, heads, d)
+    row = 0
+    for (k, v), n, t in zip(own, own_lens, q_lens):
+        keys, values = torch.cat([sys_k, k], 2), torch.cat([sys_v, v], 2)
+        visible = torch.arange(s + n)[None, :] <= torch.arange(s + n - t, s + n)[:, None]
+        want, _ = segment_attention(q[:, :, row:row + t], keys, values, visible[None, None])
+        assert (out[0, row:row + t].transpose(0, 1) - want[0]).abs().max() < 1e-12
+        row += t
 
 
 def test_batched_greedy_equals_one_at_a_time(session):
@@ -125,3 +128,19 @@ def test_a_cancelled_request_leaves_the_batch(session):
         assert engine.load() == {"waiting": 0, "running": 0} and engine.stats["cancelled"] == 1
     finally:
         engine.close()
+
+
+def test_chunked_prefill_equals_one_chunk(session):
+    """Prompts longer than the step's token budget are prefilled over several steps: same tokens, same echo."""
+    whole, chunked = Engine(session, max_step_tokens=512), Engine(session, max_batch=4, max_step_tokens=5)
+    try:
+        for p in PROMPTS:
+            req = lambda: GenRequest(session.encode_user(p), SamplingParams(max_new_tokens=8), logprobs=1,  # noqa
+                                     echo=True)
+            a, b = whole.generate(req()), chunked.generate(req())
+            assert a.token_ids == b.token_ids
+            assert [t.logprob for t in a.prompt[1:]] == pytest.approx([t.logprob for t in b.prompt[1:]], abs=1e-5)
+        assert chunked.stats["steps"] > whole.stats["steps"]
+    finally:
+        whole.close()
+        chunked.close()

@@ -45,7 +45,7 @@ def fused_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     batched decode step (keyword `relay`) goes to relay attention over the shared system KV."""
     relay = kwargs.pop("relay", None)
     if relay is not None:
-        return relay_attention(module, query, key, value, relay, scaling), None
+        return relay_attention(module, query, relay, scaling), None
     segments = kwargs.pop("cloud_segments", None)
     seg = None if segments is None else segments.get(module.layer_idx)
     if seg is None:

@@ -1,16 +1,17 @@
-"""Relay attention for batched decoding over one shared system prompt (RelayAttention, Zhu et al., ACL 2024).
+"""Relay attention for one engine step over many requests that share one system prompt (RelayAttention, Zhu et
+al., ACL 2024), with the requests' new tokens packed into one sequence so the step is ONE forward.
 
-Every request in a decode batch shares the system prompt's KV. Instead of concatenating that KV onto each
-request's own KV at every step, the queries of all requests attend to the one shared copy as a single matrix
-product (the batch folded into the query-length axis), each request's own tokens are attended separately
-(padded, masked to its own length), and the two partial attentions are merged exactly by log-sum-exp:
+The step's tokens — a chunk of a new request's user prompt, or one decode token of a running request — are
+concatenated (batch 1, ΣT tokens, each with its own position). Attention per layer:
 
-    O_b = merge(attn(q_b, K_sys, V_sys), attn(q_b, K_own,b, V_own,b))       (EdgePrompt eq. 5, exact)
+- the shared part: every packed query attends to the one copy of the system KV as a single product (no copy
+  per request or per step); a fusion export's gated cloud segment joins it through its bias;
+- the own part: each request's queries attend to that request's own tokens only (causal): decode rows of all
+  requests together, padded and masked to each length; prefill chunks request by request;
+- the two are merged exactly by log-sum-exp (EdgePrompt eq. 5; `merge_attention`).
 
-Fusion exports add a gated cloud segment to the shared part (`CloudSegment`, merged with its bias first).
-`RelayLayer` is the cache layer of one decode step: it appends each request's new key/value to that request's
-own KV and hands attention the padded batch; `RelayBatch` carries what the attention needs (the shared KV per
-layer, the own lengths) through the model's forward as the keyword `relay`.
+`RelayLayer` is a cache layer that appends each request's new keys/values to that request's own KV (kept by the
+engine); `RelayBatch` carries what the attention needs through the model's forward as the keyword `relay`.
 """
 
 from __future__ import annotations
@@ -29,73 +30,88 @@ KVPair = tuple[torch.Tensor, torch.Tensor]
 
 @dataclass
 class RelayBatch:
-    """One decode step's batch: the shared KV of each layer and each request's own length after this step."""
+    """One engine step: the shared KV of each layer, each request's own KV and its number of new tokens."""
 
     shared: Callable[[int], KVPair]  # layer → (1, kv_heads, S, d) keys and values of the system prompt
-    lengths: torch.Tensor  # (B,) own tokens per request, the step's new token included
+    own: list[list[torch.Tensor]]  # own[b] = [k_0, v_0, k_1, v_1, …], each (1, kv_heads, L_b, d)
+    q_lens: list[int]  # new tokens of request b in this step (packed in this order)
     segments: dict = field(default_factory=dict)  # layer → CloudSegment (fuse-bias exports)
 
 
-def relay_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    batch: RelayBatch, scaling: float | None = None) -> torch.Tensor:
-    """(B, 1, heads, d) attention output of one decode step: the shared part once for all queries, each own
-    part masked to its length, merged by log-sum-exp. `key`/`value`: the padded own KV (B, kv_heads, L, d)."""
-    b, heads, t, d = query.shape
-    sys_k, sys_v = batch.shared(module.layer_idx)
-    folded = query.transpose(0, 2).reshape(1, heads, t * b, d) if t == 1 else None
-    if folded is None:  # only single-token decode steps are batched through here
-        raise ValueError("relay attention batches decode steps of one token per request")
-    o_sys, lse_sys = segment_attention(folded, sys_k, sys_v, None, scaling)
-    seg = batch.segments.get(module.layer_idx)
+def relay_attention(module: torch.nn.Module, query: torch.Tensor, batch: RelayBatch,
+                    scaling: float | None = None) -> torch.Tensor:
+    """(1, ΣT, heads, d) attention output of a packed step (query: (1, heads, ΣT, d))."""
+    layer = module.layer_idx
+    _, heads, total, d = query.shape
+    sys_k, sys_v = batch.shared(layer)
+    o_sys, lse_sys = segment_attention(query, sys_k, sys_v, None, scaling)
+    seg = batch.segments.get(layer)
     if seg is not None:
-        o_cloud, lse_cloud = segment_attention(folded, seg.keys, seg.values, None, scaling)
-        bias = seg.bias.to(lse_cloud.dtype).repeat_interleave(heads // seg.keys.shape[1])[None, :, None]
-        lse_cloud = lse_cloud + bias
-        o_sys = merge_attention(o_sys, lse_sys, o_cloud, lse_cloud)
-        lse_sys = torch.logaddexp(lse_sys, lse_cloud)
-    o_sys = o_sys.reshape(heads, b, 1, d).transpose(0, 1)  # back to (B, heads, 1, d)
-    lse_sys = lse_sys.reshape(heads, b, 1).transpose(0, 1)
-    valid = torch.arange(key.shape[-2])[None, :] < batch.lengths[:, None]  # (B, L)
-    o_own, lse_own = segment_attention(query, key, value, valid[:, None, None, :], scaling)
+        o_cloud, lse_cloud = segment_attention(query, seg.keys, seg.values, None, scaling)
+        lse_cloud = lse_cloud + seg.bias.to(lse_cloud.dtype).repeat_interleave(heads // seg.keys.shape[1])[
+            None, :, None]
+        o_sys, lse_sys = merge_attention(o_sys, lse_sys, o_cloud, lse_cloud), torch.logaddexp(lse_sys, lse_cloud)
+    o_own = torch.empty_like(o_sys)
+    lse_own = torch.empty_like(lse_sys)
+    starts = [0]
+    for t in batch.q_lens:
+        starts.append(starts[-1] + t)
+    decode = [b for b, t in enumerate(batch.q_lens) if t == 1]
+    if decode:  # one padded product for every single-token row
+        keys = [batch.own[b][2 * layer] for b in decode]
+        values = [batch.own[b][2 * layer + 1] for b in decode]
+        longest = max(k.shape[-2] for k in keys)
+        pad = lambda x: torch.nn.functional.pad(x, (0, 0, 0, longest - x.shape[-2]))  # noqa: E731
+        lengths = torch.tensor([k.shape[-2] for k in keys])
+        valid = (torch.arange(longest)[None, :] < lengths[:, None])[:, None, None, :]
+        rows = torch.tensor([starts[b] for b in decode])
+        q = query[0, :, rows].transpose(0, 1)[:, :, None]  # (B1, heads, 1, d)
+        o, lse = segment_attention(q, torch.cat([pad(k) for k in keys]), torch.cat([pad(v) for v in values]), valid,
+                                   scaling)
+        o_own[0, :, rows] = o[:, :, 0].transpose(0, 1).to(o_own.dtype)
+        lse_own[0, :, rows] = lse[:, :, 0].transpose(0, 1).to(lse_own.dtype)
+    for b, t in enumerate(batch.q_lens):
+        if t > 1:  # a prefill chunk: causal over the request's own tokens, its new ones last
+            sl = slice(starts[b], starts[b + 1])
+            o, lse = segment_attention(query[:, :, sl], batch.own[b][2 * layer], batch.own[b][2 * layer + 1], None,
+                                       scaling, causal=True)
+            o_own[:, :, sl] = o.to(o_own.dtype)
+            lse_own[:, :, sl] = lse.to(lse_own.dtype)
     out = merge_attention(o_sys, lse_sys, o_own, lse_own)
     return out.to(query.dtype).transpose(1, 2).contiguous()
 
 
 class RelayLayer(DynamicLayer):
-    """One layer of a decode batch's cache: appends each request's new key/value to its own KV (kept by the
-    engine, never the shared prefix) and returns the batch's own KV padded to the longest."""
+    """One layer of a step's cache: splits the packed new keys/values by request and appends them to each
+    request's own KV (the attention reads them from the batch; the shared prefix is never touched)."""
 
-    def __init__(self, own: list[list[torch.Tensor]], layer: int, prefix_len: int):
+    def __init__(self, batch: RelayBatch, layer: int, prefix_len: int):
         super().__init__()
-        self.own, self.layer, self.prefix_len = own, layer, prefix_len  # own[b] = [k_0, v_0, k_1, v_1, …]
+        self.batch, self.layer, self.prefix_len = batch, layer, prefix_len
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> KVPair:
-        """Append row b's new token to request b's own KV; return the padded own KV of the batch."""
-        ks, vs = [], []
-        for b, kv in enumerate(self.own):
-            k = torch.cat([kv[2 * self.layer], key_states[b:b + 1]], dim=-2)
-            v = torch.cat([kv[2 * self.layer + 1], value_states[b:b + 1]], dim=-2)
-            kv[2 * self.layer], kv[2 * self.layer + 1] = k, v
-            ks.append(k)
-            vs.append(v)
-        longest = max(k.shape[-2] for k in ks)
-        pad = lambda x: torch.nn.functional.pad(x, (0, 0, 0, longest - x.shape[-2]))  # noqa: E731
-        self.keys, self.values = torch.cat([pad(k) for k in ks]), torch.cat([pad(v) for v in vs])
+        """Append each request's slice of the packed step; return the inputs (relay attention ignores them)."""
+        start = 0
+        for kv, t in zip(self.batch.own, self.batch.q_lens):
+            i = 2 * self.layer
+            kv[i] = torch.cat([kv[i], key_states[:, :, start:start + t]], dim=-2)
+            kv[i + 1] = torch.cat([kv[i + 1], value_states[:, :, start:start + t]], dim=-2)
+            start += t
         self.is_initialized = True
-        return self.keys, self.values
+        return key_states, value_states
 
     def get_seq_length(self) -> int:
-        """Prefix + the longest own KV (only mask sizes read it; relay attention masks by length itself)."""
-        return self.prefix_len + max(kv[2 * self.layer].shape[-2] for kv in self.own)
+        """Prefix + the longest own KV (only the unused mask's size reads it)."""
+        return self.prefix_len + max(kv[2 * self.layer].shape[-2] for kv in self.batch.own)
 
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
-        """(kv length, offset) for the (unused) mask the model builds."""
+        """(kv length, offset) for the mask the model builds and relay attention does not use."""
         return self.get_seq_length() + query_length, 0
 
 
-def relay_cache(own: list[list[torch.Tensor]], num_layers: int, prefix_len: int) -> DynamicCache:
-    """A decode step's cache over the requests' own KV lists (own[b][2i], own[b][2i+1]: layer i keys, values)."""
+def relay_cache(batch: RelayBatch, num_layers: int, prefix_len: int) -> DynamicCache:
+    """A step's cache over the batch's own KV lists."""
     cache = DynamicCache()
     cache.layer_class_to_replicate = None
-    cache.layers = [RelayLayer(own, i, prefix_len) for i in range(num_layers)]
+    cache.layers = [RelayLayer(batch, i, prefix_len) for i in range(num_layers)]
     return cache

@@ -1,11 +1,12 @@
 """The serving engine: one thread owns the model and steps every active request together (vLLM's split: the HTTP
 layer only queues requests and relays their events).
 
-Each step admits new requests up to `max_batch` and prefills their user prompts (one forward each, over the
-shared system KV), then runs ONE forward for the next token of every running request: relay attention
-(`edgekv.attention.relay`) attends all their queries to the one shared system KV as a single product and each
-request's own tokens separately, merged exactly by log-sum-exp, so the system KV is never copied per request or
-per step. `max_batch=1` is the one-at-a-time baseline through the same code. A request's events (text deltas with
+Each step admits new requests up to `max_batch` and runs ONE forward over the step's tokens, packed: one decode
+token of every running request, then chunks of new requests' user prompts up to `max_step_tokens` (a long prompt
+is prefilled over several steps). Relay attention (`edgekv.attention.relay`) attends all the step's queries to
+the one shared system KV as a single product and each request's own tokens separately, merged exactly by
+log-sum-exp, so the system KV is never copied per request or per step. `max_batch=1` is the one-at-a-time
+baseline through the same code. A request's events (text deltas with
 log-probs, then `done`) go to its callback from the engine thread; a cancelled request leaves the batch at the
 next step.
 """
@@ -25,6 +26,7 @@ import torch
 from edgekv import EdgeKVError
 from edgekv.attention.fuse import enable_fusion
 from edgekv.attention.relay import RelayBatch, relay_cache
+from edgekv.models.structure import attn_shape
 from edgekv.serve.session import EdgeSession, SamplingParams, pick_token
 
 log = logging.getLogger("edgekv")
@@ -84,6 +86,8 @@ class Sequence:
         self.unsent = 0  # tokens not yet covered by a streamed event
         self.generator = torch.Generator().manual_seed(req.params.seed)
         self.next_input: int | None = None
+        self.pending: torch.Tensor | None = None  # prompt tokens not yet through the model
+        self.prompt_logits: list[torch.Tensor] = []  # echo + logprobs: the prompt's logits, chunk by chunk
         self.position = 0
         self.submitted = time.perf_counter()
         self.ttft: float | None = None
@@ -96,13 +100,16 @@ class Sequence:
 class Engine:
     """Owns the session's model on one thread; `submit` queues a request, `cancel` drops one."""
 
-    def __init__(self, session: EdgeSession, max_batch: int = 32, max_queue: int = 256):
-        if max_batch < 1 or max_queue < 1:
-            raise EdgeKVError("max_batch and max_queue must be ≥ 1")
+    def __init__(self, session: EdgeSession, max_batch: int = 32, max_queue: int = 256, max_step_tokens: int = 512):
+        if max_batch < 1 or max_queue < 1 or max_step_tokens < 1:
+            raise EdgeKVError("max_batch, max_queue and max_step_tokens must be ≥ 1")
         self.session, self.max_batch, self.max_queue = session, max_batch, max_queue
+        self.max_step_tokens = max_step_tokens
         self.model, self.tokenizer = session.model, session.edge.tokenizer
         self.eos = session._eos_ids()
         enable_fusion(self.model)  # the attention function that also runs relay steps
+        _, kv_heads, head_dim = attn_shape(self.model)
+        self._empty = torch.zeros(1, kv_heads, 0, head_dim, dtype=session.dtype)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.cv = threading.Condition()
@@ -193,56 +200,80 @@ class Engine:
 
     @torch.no_grad()
     def _step(self, admitted: list[Sequence]) -> None:
-        for seq in [s for s in self.running if s.cancelled.is_set()]:
+        """One forward over the step's tokens: one decode token per running request, then prompt chunks of
+        prefilling requests (oldest first) up to `max_step_tokens`."""
+        for seq in [s for s in [*self.running, *admitted] if s.cancelled.is_set()]:
             self._finish(seq, "cancelled")
-        self.running = [s for s in self.running if s.finish is None]
-        decoding = [s for s in self.running if s.next_input is not None]
         for seq in admitted:
-            if seq.cancelled.is_set():
-                self._finish(seq, "cancelled")
-                continue
-            self._prefill(seq)
             if seq.finish is None:
+                seq.own = [self._empty] * (2 * self.session.num_layers)
+                seq.pending = seq.req.user_ids
+                seq.position = self.session.prefix_len
                 self.running.append(seq)
-        if decoding:
-            self._decode(decoding)
+        self.running = [s for s in self.running if s.finish is None]
+        work: list[tuple[Sequence, torch.Tensor]] = [(s, torch.tensor([s.next_input])) for s in self.running
+                                                     if s.next_input is not None]
+        budget = max(self.max_step_tokens - len(work), 1)
+        for seq in self.running:
+            if seq.pending is not None and budget > 0:
+                chunk = seq.pending[:budget]
+                work.append((seq, chunk))
+                budget -= chunk.numel()
+        if work:
+            self._forward(work)
         self.running = [s for s in self.running if s.finish is None]
         self.stats["steps"] += 1
 
-    def _prefill(self, seq: Sequence) -> None:
-        """The user prompt over the shared system KV: its own KV, the first token (and the prompt's log-probs)."""
+    def _forward(self, work: list[tuple[Sequence, torch.Tensor]]) -> None:
         s = self.session
-        ids = seq.req.user_ids
-        cache = s.new_cache(on_wait=lambda t: setattr(seq, "layer_wait", seq.layer_wait + t))
-        positions = torch.arange(s.prefix_len, s.prefix_len + ids.numel())[None]
-        keep = 0 if seq.req.echo and seq.req.logprobs is not None else 1
-        logits = self.model(input_ids=ids[None], past_key_values=cache, position_ids=positions, use_cache=True,
-                            logits_to_keep=keep, **s._forward_kwargs()).logits[0]
-        seq.own = [t for layer in cache.layers for t in (layer.keys, layer.values)]
-        seq.position = s.prefix_len + ids.numel()
-        self.stats["prompt_tokens"] += ids.numel()
-        self.stats["batched_tokens"] += ids.numel()
-        if seq.req.echo:
-            seq.prompt_infos = self._prompt_infos(ids, logits if keep == 0 else None, seq.req.logprobs)
-        if seq.req.params.max_new_tokens == 0:
-            seq.ttft = time.perf_counter() - seq.submitted
-            return self._finish(seq, "length")
-        self._accept(seq, logits[-1])
+        ids = torch.cat([t for _, t in work])[None]
+        positions = torch.cat([torch.arange(q.position, q.position + t.numel()) for q, t in work])[None]
+        q_lens = [t.numel() for _, t in work]
+        ends = torch.tensor(q_lens).cumsum(0)
+        keep = []  # packed rows whose logits are needed: each request's last row; all rows of an echo chunk
+        for (seq, t), end in zip(work, ends.tolist()):
+            keep += list(range(end - t.numel(), end)) if self._wants_prompt_logits(seq, t) else [end - 1]
+        waited = [0.0]
 
-    def _decode(self, batch: list[Sequence]) -> None:
-        """One forward: the next token of every running request, relay attention over the shared system KV."""
-        s = self.session
-        ids = torch.tensor([[seq.next_input] for seq in batch])
-        positions = torch.tensor([[seq.position] for seq in batch])
-        lengths = torch.tensor([seq.own[0].shape[-2] + 1 for seq in batch])
-        own = [seq.own for seq in batch]
-        relay = RelayBatch(lambda i: s.layer_kv(i), lengths, s.fusion()[1])
-        logits = self.model(input_ids=ids, past_key_values=relay_cache(own, s.num_layers, s.prefix_len),
-                            position_ids=positions, use_cache=True, logits_to_keep=1, relay=relay).logits[:, -1]
-        self.stats["batched_tokens"] += len(batch)
-        for row, seq in zip(logits, batch):
-            seq.position += 1
-            self._accept(seq, row)
+        def shared(i: int):
+            start = time.perf_counter()
+            kv = s.layer_kv(i)  # may wait for a layer still in transit
+            waited[0] += time.perf_counter() - start
+            return kv
+
+        batch = RelayBatch(shared, [q.own for q, _ in work], q_lens, s.fusion()[1])
+        logits = self.model(input_ids=ids, past_key_values=relay_cache(batch, s.num_layers, s.prefix_len),
+                            position_ids=positions, use_cache=True, logits_to_keep=torch.tensor(keep),
+                            relay=batch).logits[0]
+        self.stats["batched_tokens"] += ids.shape[1]
+        row = 0
+        for seq, t in work:
+            n = t.numel()
+            if self._wants_prompt_logits(seq, t):
+                mine, row = logits[row:row + n], row + n
+            else:
+                mine, row = logits[row:row + 1], row + 1
+            seq.position += n
+            if seq.next_input is not None and seq.pending is None:  # a decode token
+                self._accept(seq, mine[-1])
+                continue
+            seq.layer_wait += waited[0]
+            self.stats["prompt_tokens"] += n
+            if seq.req.echo and seq.req.logprobs is not None:
+                seq.prompt_logits.append(mine)
+            seq.pending = seq.pending[n:] if n < seq.pending.numel() else None
+            if seq.pending is None:  # the prompt is in: its first token
+                if seq.req.echo:
+                    scored = torch.cat(seq.prompt_logits) if seq.prompt_logits else None
+                    seq.prompt_infos = self._prompt_infos(seq.req.user_ids, scored, seq.req.logprobs)
+                if seq.req.params.max_new_tokens == 0:
+                    seq.ttft = time.perf_counter() - seq.submitted
+                    self._finish(seq, "length")
+                else:
+                    self._accept(seq, mine[-1])
+
+    def _wants_prompt_logits(self, seq: Sequence, chunk: torch.Tensor) -> bool:
+        return seq.pending is not None and seq.req.echo and seq.req.logprobs is not None
 
     # ----------------------------------------------------------------------------------------- tokens
 
