@@ -144,3 +144,19 @@ def test_chunked_prefill_equals_one_chunk(session):
     finally:
         whole.close()
         chunked.close()
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_the_flash_kernel_segment_equals_the_reference(dtype, tol):
+    from edgekv.attention.merge import fast_segment_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, 14, 1, 64, dtype=dtype), torch.randn(3, 2, 9, 64, dtype=dtype),
+               torch.randn(3, 2, 9, 64, dtype=dtype))
+    valid = (torch.arange(9)[None] < torch.tensor([4, 9, 1])[:, None])[:, None, None, :]
+    with torch.no_grad():
+        for args in ((q, k, v, valid), (q, k, v, None), (torch.randn(1, 14, 5, 64, dtype=dtype), k[:1], v[:1])):
+            causal = args[0].shape[2] > 1
+            got, got_lse = fast_segment_attention(*args[:3], args[3] if len(args) > 3 else None, causal=causal)
+            want, want_lse = segment_attention(*args[:3], args[3] if len(args) > 3 else None, causal=causal)
+            assert (got.float() - want.float()).abs().max() < tol and (got_lse - want_lse).abs().max() < 1e-4

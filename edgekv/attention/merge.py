@@ -47,3 +47,37 @@ def segment_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
         scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     return torch.softmax(scores, dim=-1) @ v, lse
+
+
+_FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def fast_segment_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                           valid: torch.Tensor | None = None, scaling: float | None = None,
+                           causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`segment_attention` through torch's CPU flash kernel, which also returns the log-sum-exp (float32).
+
+    Grouped-query heads are folded into the query axis (no copy of the keys) when no causal mask ties a query to
+    its position; `valid` (bool, True = attend, broadcast to (b, 1, t, s)) and `causal` (queries aligned with the
+    segment's last t keys) become one additive mask. Inference only; float64, GPU tensors and autograd go to
+    `segment_attention`. Returns (out (b, h, t, d) in the query's dtype, lse (b, h, t) float32)."""
+    if (query.dtype not in _FLASH_DTYPES or query.device.type != "cpu" or torch.is_grad_enabled()
+            or keys.dtype != query.dtype):
+        return segment_attention(query, keys, values, valid, scaling, causal)
+    b, h, t, d = query.shape
+    kv_heads, s = keys.shape[1], keys.shape[-2]
+    groups = h // kv_heads
+    visible = valid
+    if causal and t > 1:
+        tri = torch.arange(s)[None, :] <= torch.arange(s - t, s)[:, None]
+        visible = tri[None, None] if visible is None else visible & tri
+    mask = None
+    if visible is not None:
+        mask = torch.zeros(visible.shape, dtype=query.dtype).masked_fill(~visible, float("-inf"))
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    if mask is None or mask.shape[-2] == 1:  # no per-query mask: fold the groups into the query axis
+        q = query.reshape(b, kv_heads, groups * t, d)
+        out, lse = flash(q, keys, values, 0.0, False, attn_mask=mask, scale=scaling)
+        return out.reshape(b, h, t, d), lse.reshape(b, h, t)
+    k, v = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+    return flash(query, k, v, 0.0, False, attn_mask=mask, scale=scaling)

@@ -23,7 +23,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from edgekv.attention.merge import merge_attention, segment_attention
+from edgekv.attention.merge import fast_segment_attention, merge_attention
 
 KVPair = tuple[torch.Tensor, torch.Tensor]
 
@@ -44,10 +44,10 @@ def relay_attention(module: torch.nn.Module, query: torch.Tensor, batch: RelayBa
     layer = module.layer_idx
     _, heads, total, d = query.shape
     sys_k, sys_v = batch.shared(layer)
-    o_sys, lse_sys = segment_attention(query, sys_k, sys_v, None, scaling)
+    o_sys, lse_sys = fast_segment_attention(query, sys_k, sys_v, None, scaling)
     seg = batch.segments.get(layer)
     if seg is not None:
-        o_cloud, lse_cloud = segment_attention(query, seg.keys, seg.values, None, scaling)
+        o_cloud, lse_cloud = fast_segment_attention(query, seg.keys, seg.values, None, scaling)
         lse_cloud = lse_cloud + seg.bias.to(lse_cloud.dtype).repeat_interleave(heads // seg.keys.shape[1])[
             None, :, None]
         o_sys, lse_sys = merge_attention(o_sys, lse_sys, o_cloud, lse_cloud), torch.logaddexp(lse_sys, lse_cloud)
@@ -66,15 +66,15 @@ def relay_attention(module: torch.nn.Module, query: torch.Tensor, batch: RelayBa
         valid = (torch.arange(longest)[None, :] < lengths[:, None])[:, None, None, :]
         rows = torch.tensor([starts[b] for b in decode])
         q = query[0, :, rows].transpose(0, 1)[:, :, None]  # (B1, heads, 1, d)
-        o, lse = segment_attention(q, torch.cat([pad(k) for k in keys]), torch.cat([pad(v) for v in values]), valid,
-                                   scaling)
+        o, lse = fast_segment_attention(q, torch.cat([pad(k) for k in keys]), torch.cat([pad(v) for v in values]),
+                                        valid, scaling)
         o_own[0, :, rows] = o[:, :, 0].transpose(0, 1).to(o_own.dtype)
         lse_own[0, :, rows] = lse[:, :, 0].transpose(0, 1).to(lse_own.dtype)
     for b, t in enumerate(batch.q_lens):
         if t > 1:  # a prefill chunk: causal over the request's own tokens, its new ones last
             sl = slice(starts[b], starts[b + 1])
-            o, lse = segment_attention(query[:, :, sl], batch.own[b][2 * layer], batch.own[b][2 * layer + 1], None,
-                                       scaling, causal=True)
+            o, lse = fast_segment_attention(query[:, :, sl], batch.own[b][2 * layer], batch.own[b][2 * layer + 1],
+                                            None, scaling, causal=True)
             o_own[:, :, sl] = o.to(o_own.dtype)
             lse_own[:, :, sl] = lse.to(lse_own.dtype)
     out = merge_attention(o_sys, lse_sys, o_own, lse_own)
