@@ -160,3 +160,13 @@ def test_the_flash_kernel_segment_equals_the_reference(dtype, tol):
             got, got_lse = fast_segment_attention(*args[:3], args[3] if len(args) > 3 else None, causal=causal)
             want, want_lse = segment_attention(*args[:3], args[3] if len(args) > 3 else None, causal=causal)
             assert (got.float() - want.float()).abs().max() < tol and (got_lse - want_lse).abs().max() < 1e-4
+
+
+def test_the_flash_path_with_no_keys_has_zero_weight():
+    from edgekv.attention.merge import fast_segment_attention, merge_attention
+
+    q, none = torch.randn(1, 4, 3, 8), torch.zeros(1, 2, 0, 8)
+    with torch.no_grad():
+        out, lse = fast_segment_attention(q, none, none)
+        own, own_lse = fast_segment_attention(q, torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), causal=True)
+    assert torch.isneginf(lse).all() and torch.equal(merge_attention(out, lse, own, own_lse), own)

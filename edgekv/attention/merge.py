@@ -66,6 +66,8 @@ def fast_segment_attention(query: torch.Tensor, keys: torch.Tensor, values: torc
         return segment_attention(query, keys, values, valid, scaling, causal)
     b, h, t, d = query.shape
     kv_heads, s = keys.shape[1], keys.shape[-2]
+    if s == 0 or t == 0:  # no keys (an empty system prompt): weight 0 in the merge; the kernel would trap
+        return query.new_zeros(b, h, t, values.shape[-1]), torch.full((b, h, t), float("-inf"))
     groups = h // kv_heads
     visible = valid
     if causal and t > 1:
