@@ -7,6 +7,8 @@ Conditions (S system + U user tokens, bf16, one request at a time):
 - deep-copy baseline: prefill the system prompt once, `copy.deepcopy` its DynamicCache per request, forward U;
 - spliced same-model: an `EdgeSession` on a same-model export (split m), warm (all layers in);
 - spliced heterogeneous: an `EdgeSession` on a cloud export (the compress defaults), warm;
+- engine same-model: the serving engine (relay attention through the CPU flash kernel) on the same session;
+- cold start with the shallow layers from a peer edge's same-model export vs the local shallow prefill;
 - cold pipelined: a fresh session per request with the link emulator set so that transfer ≈ compute; per-layer
   compute and transfer are measured and the pipeline model's predicted TTFT is compared with the measured one.
 Also: same-model bf16 exactness (first-step logit difference, greedy token agreement vs full prefill).
@@ -27,6 +29,7 @@ from bench.compress import xsum_prompt
 from edgekv.kv.compress_job import CompressConfig, run_compress
 from edgekv.models.loading import load_model
 from edgekv.models.structure import decoder_layers
+from edgekv.serve.engine import Engine, GenRequest
 from edgekv.serve.pipeline import Link, overlap_efficiency, predict_ttft
 from edgekv.serve.session import EdgeSession, SamplingParams
 from edgekv.texts import sharegpt_texts
@@ -151,15 +154,22 @@ def main() -> None:
             n[0] += 1
         return run
 
+    engine = Engine(same, max_batch=1)
+
+    def engine_run(n=[0]):
+        engine.generate(GenRequest(users[n[0] % 3], SamplingParams(max_new_tokens=1)))
+        n[0] += 1
+
     conditions = {"full prefill (all logits)": full_prefill, "full prefill (last logits)": full_last,
                   "deep-copy DynamicCache": deep_copy, "spliced same-model": spliced(same),
-                  "spliced heterogeneous": spliced(het)}
+                  "spliced heterogeneous": spliced(het), "engine same-model (relay)": engine_run}
     for fn in conditions.values():  # warm-up
         fn()
     samples: dict[str, list[float]] = {k: [] for k in conditions}
     for _ in range(args.reps):  # interleaved rounds: drift hits every condition alike
         for name, fn in conditions.items():
             samples[name] += timed(fn, 1)
+    engine.close()
     med = {k: statistics.median(v) for k, v in samples.items()}
     base = med["full prefill (all logits)"]
     bound = flops(model, S + U, S + U, S + U) / flops(model, U, S + U, 1)
@@ -201,6 +211,23 @@ def main() -> None:
     print(f"  measured TTFT {m * 1e3:.1f} ms, predicted {p * 1e3:.1f} ms ({(m - p) / p * 100:+.1f} %); serial "
           f"{s * 1e3:.1f} ms, perfect-overlap bound {b * 1e3:.1f} ms; overlap efficiency {eff * 100:.0f} %")
 
+    # ---- cold start with the shallow layers from a peer edge's same-model export (no link emulation)
+    peer_kv = work / "kv-peer"
+    run_compress(CompressConfig(out=str(peer_kv), cloud="default-edge", edge="default-edge", system_prompt=system,
+                                quant="bf16", start_layer=0))
+    cold = {"local shallow prefill": [], "shallow layers from a peer": []}
+    for rep in range(args.reps):
+        for name, peer in (("local shallow prefill", None), ("shallow layers from a peer", str(peer_kv))):
+            start = time.perf_counter()
+            session = EdgeSession(edge, str(same_kv), cache_dir=work / "cache", peer_kv=peer)
+            built = time.perf_counter() - start
+            cold[name].append(built + session.complete(users[rep % 3], SamplingParams(max_new_tokens=1)).ttft_s)
+    cold_med = {k: statistics.median(v) for k, v in cold.items()}
+    print(f"\ncold TTFT, m={args.split}, deep layers from disk: local shallow prefill "
+          f"{cold_med['local shallow prefill'] * 1e3:.1f} ms, shallow layers from a peer "
+          f"{cold_med['shallow layers from a peer'] * 1e3:.1f} ms (saves "
+          f"{(cold_med['local shallow prefill'] - cold_med['shallow layers from a peer']) * 1e3:.1f} ms)")
+
     # ---- bf16 exactness of the same-model splice
     agree, diffs = [], []
     same._eos_ids = lambda: set()
@@ -225,7 +252,8 @@ def main() -> None:
                                                    "predicted": predicted, "serial": serial, "bound": bounds,
                                                    "per_layer_s": per_layer, "head_s": head, "shallow_s": shallow,
                                                    "overlap_efficiency": eff},
-                                               "bf16": {"max_abs_logit_diff": diffs, "agree_prefix": agree}},
+                                               "bf16": {"max_abs_logit_diff": diffs, "agree_prefix": agree},
+                                               "cold_peer": cold},
                                               indent=1))
 
 
