@@ -1,14 +1,15 @@
 """Loopback soak of `serve-edge` on the default edge model: C clients for T seconds, valid requests mixed with
 abuse (malformed JSON, oversized bodies, wrong API keys, streams the client drops after the first chunk).
 
-    python -m bench.load [--kv runs/kv-default] [--clients 64] [--seconds 300] [--max-tokens 8] [--abuse 0.25]
-                         [--json OUT]
+    python -m bench.load [--kv runs/kv-default] [--clients 64] [--seconds 300] [--warmup 30] [--max-tokens 8]
+                         [--abuse 0.25] [--json OUT]
 
 Each client loops: with probability --abuse it sends one of the four bad kinds, else a valid completion (a
 quarter of them streamed to the end). Prints and writes: valid requests served and failed (a valid request
 fails if it gets anything but 200 or its stream lacks [DONE]), bad requests answered with the expected 4xx,
-latency percentiles, requests/s, whether the server still answers /health, and process RSS after warm-up vs
-at the end. Without --kv a same-model export of data/prompts/system_prompt.txt (m = 12) is made first.
+latency percentiles, requests/s, whether the server still answers, and the server process's RSS after warm-up
+vs at the end (the clients run in a process of their own). Without --kv a same-model export of
+data/prompts/system_prompt.txt (m = 12) is made first.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import multiprocessing
 import random
 import threading
 import time
@@ -80,12 +82,26 @@ def client(port: int, prompts: list[str], stop_at: float, abuse: float, max_toke
             rows.append({"kind": kind, "status": status, "ok": ok, "latency_s": time.perf_counter() - start})
 
 
+def run_clients(port: int, prompts: list[str], stop_at: float, abuse: float, max_tokens: int, n: int) -> list[dict]:
+    """The soak's clients, as threads of a process of their own."""
+    rows: list[dict] = []
+    lock = threading.Lock()
+    threads = [threading.Thread(target=client, args=(port, prompts, stop_at, abuse, max_tokens, c + 1, rows, lock))
+               for c in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kv", default=None)
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--seconds", type=float, default=300.0)
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--warmup", type=float, default=30.0, help="seconds of the same load before the RSS baseline")
     ap.add_argument("--abuse", type=float, default=0.25, help="share of requests that are bad on purpose")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -99,20 +115,16 @@ def main(argv: list[str] | None = None) -> dict:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     port = server.server_address[1]
     prompts = [f"User: give me tip number {k} for writing a clear bug report.\nAssistant:" for k in range(50)]
-    warm: list[dict] = []
-    client(port, prompts, time.time() + 5, 0.0, args.max_tokens, 0, warm, threading.Lock())  # warm-up
+    ctx = multiprocessing.get_context("spawn")  # the clients' own buffers must not count in the server's RSS
     proc = psutil.Process()
-    rss_before = proc.memory_info().rss
-    rows: list[dict] = []
-    lock = threading.Lock()
-    stop_at = time.time() + args.seconds
-    threads = [threading.Thread(target=client, args=(port, prompts, stop_at, args.abuse, args.max_tokens, c + 1,
-                                                     rows, lock)) for c in range(args.clients)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ctx.Pool(1) as clients:
+        # warm-up at full concurrency: the allocator reaches the working set of full batches before the baseline
+        clients.apply(run_clients, (port, prompts, time.time() + args.warmup, args.abuse, args.max_tokens,
+                                    args.clients))
+        rss_before = proc.memory_info().rss
+        start = time.perf_counter()
+        rows = clients.apply(run_clients, (port, prompts, time.time() + args.seconds, args.abuse, args.max_tokens,
+                                           args.clients))
     wall = time.perf_counter() - start
     rss_after = proc.memory_info().rss
     alive = request(port, json.dumps({"prompt": prompts[0], "max_tokens": 2}).encode())[0] == 200
