@@ -123,8 +123,18 @@ def main(argv: list[str] | None = None) -> dict:
                                     args.clients))
         rss_before = proc.memory_info().rss
         start = time.perf_counter()
+        timeline: list[tuple[float, float]] = []  # (s, MiB) every 10 s: a plateau is a cache, a slope a leak
+        done = threading.Event()
+
+        def sample():
+            while not done.wait(10.0):
+                timeline.append((time.perf_counter() - start, proc.memory_info().rss / 2**20))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
         rows = clients.apply(run_clients, (port, prompts, time.time() + args.seconds, args.abuse, args.max_tokens,
                                            args.clients))
+        done.set()
     wall = time.perf_counter() - start
     rss_after = proc.memory_info().rss
     alive = request(port, json.dumps({"prompt": prompts[0], "max_tokens": 2}).encode())[0] == 200
@@ -142,12 +152,12 @@ def main(argv: list[str] | None = None) -> dict:
            "valid_per_s": len(lat) / wall, "latency_p50_s": percentile(lat, 0.5),
            "latency_p99_s": percentile(lat, 0.99), "server_alive": alive, "cancelled": stats["cancelled"],
            "rss_before_mb": rss_before / 2**20, "rss_after_mb": rss_after / 2**20,
-           "rss_growth": (rss_after - rss_before) / rss_before}
+           "rss_growth": (rss_after - rss_before) / rss_before, "rss_timeline_mib": timeline}
     print(f"{args.clients} clients × {wall:.0f} s: {out['valid']} valid requests, {out['valid_failed']} failed; "
           f"{out['valid_per_s']:.2f} valid req/s, latency p50 {out['latency_p50_s']:.2f} s p99 "
           f"{out['latency_p99_s']:.2f} s; bad requests {json.dumps(out['bad'])}; server alive {alive}; "
           f"{stats['cancelled']} cancelled; RSS {out['rss_before_mb']:.0f} → {out['rss_after_mb']:.0f} MiB "
-          f"({out['rss_growth'] * 100:+.1f} %)")
+          f"({out['rss_growth'] * 100:+.1f} %); RSS every 10 s: {', '.join(f'{m:.0f}' for _, m in timeline)} MiB")
     if args.json:
         write_text_atomic(args.json, json.dumps(out, indent=1))
     return out
