@@ -155,3 +155,17 @@ def test_many_exports_per_server_and_a_memory_budget(edge, edge_dir, tmp_path): 
             ask("nope")
     finally:
         srv.server_close()
+
+
+def test_a_chunked_body_over_the_limit_is_refused(served):
+    import http.client
+
+    url, _ = served
+    conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=30)
+    body = iter([b'{"prompt": "', b"x" * 3000, b"y" * 3000, b'", "max_tokens": 2}'])
+    conn.request("POST", "/v1/completions", body=body, encode_chunked=True,
+                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    resp = conn.getresponse()
+    error = json.loads(resp.read())["error"]
+    assert resp.status == 413 and "exceeds the limit" in error["message"]
+    conn.close()

@@ -155,13 +155,7 @@ def build_app(pool: ExportPool | dict[str, Engine], settings: APISettings | None
     async def _internal(request: Request, exc: Exception):
         return fail(500, f"internal error: {type(exc).__name__}", type_="server_error")
 
-    @app.middleware("http")
-    async def _limit_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > settings.max_body_bytes):
-            return fail(413, f"request body exceeds the limit of {settings.max_body_bytes} bytes",
-                        code="request_too_large")
-        return await call_next(request)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, reject=fail)
 
     async def auth(request: Request) -> None:
         if settings.api_key is None:
@@ -225,6 +219,34 @@ def build_app(pool: ExportPool | dict[str, Engine], settings: APISettings | None
                 "usage": _usage([result])}
 
     return app
+
+
+class BodyLimit:
+    """ASGI middleware: a declared Content-Length over the limit is answered 413 at once; a body without one
+    (chunked) is counted as it is read and refused with 413 as soon as it passes the limit."""
+
+    def __init__(self, app, limit: int, reject):
+        self.app, self.limit, self.reject = app, limit, reject
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            return await self.reject(413, f"request body exceeds the limit of {self.limit} bytes",
+                                     code="request_too_large")(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:  # an HTTPException passes FastAPI's body parsing unchanged
+                    raise StarletteHTTPException(413, f"request body exceeds the limit of {self.limit} bytes")
+            return message
+
+        return await self.app(scope, counted, send)
 
 
 # ------------------------------------------------------------------------------------------- requests
