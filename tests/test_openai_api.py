@@ -114,16 +114,23 @@ def test_bad_requests_answer_in_openais_shape(client):
     assert err.value.status_code == 413
 
 
-def test_a_client_that_leaves_mid_stream_frees_its_slot(client, served):
+def test_a_client_that_leaves_mid_stream_frees_its_slot(client, served, monkeypatch):
+    import time
+
     srv = served[1]
-    stream = client.completions.create(model="kv", prompt=USERS[0], max_tokens=60, stream=True)
+    engine = srv.engine
+    step = engine._step
+    monkeypatch.setattr(engine, "_step", lambda admitted: (time.sleep(0.03), step(admitted)))  # 64 steps ≈ 2 s
+    before = engine.stats["cancelled"]
+    stream = client.completions.create(model="kv", prompt=USERS[0], max_tokens=64, stream=True)
     next(iter(stream))
     stream.close()  # the client goes away
-    for _ in range(200):
-        if srv.engine.load()["running"] == 0:
+    for _ in range(100):
+        if engine.load()["running"] == 0:
             break
-        threading.Event().wait(0.05)
-    assert srv.engine.load() == {"waiting": 0, "running": 0}
+        time.sleep(0.05)
+    assert engine.load() == {"waiting": 0, "running": 0}
+    assert engine.stats["cancelled"] == before + 1  # dropped, not run to its 64 tokens
 
 
 def test_many_exports_per_server_and_a_memory_budget(edge, edge_dir, tmp_path):  # noqa: F811
