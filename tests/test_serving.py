@@ -331,7 +331,7 @@ def test_http_uses_the_servers_default_max_tokens(server):
 
 
 def test_loopback_load_test(server):
-    """20 concurrent clients for 5 s (bounded): no errors, and RSS after is within 10 % of RSS before."""
+    """20 concurrent clients for 5 s (bounded): no errors, and RSS after has grown less than 10 %."""
     import psutil
 
     url, srv = server
@@ -354,7 +354,8 @@ def test_loopback_load_test(server):
         t.join()
     after = proc.memory_info().rss
     assert len(results) >= 20 and set(results) == {200}
-    assert abs(after - before) / before < 0.10, (before, after)
+    # growth is what a leak shows; the engine's malloc_trim may hand back heap earlier tests left, so RSS can fall
+    assert (after - before) / before < 0.10, (before, after)
 
 
 # ------------------------------------------------------------------------------------------- CLI
