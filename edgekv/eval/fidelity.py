@@ -21,8 +21,8 @@ import math
 
 import torch
 
-from edgekv.attention.fuse import enable_fusion
 from edgekv.attention.splice import splice_layers
+from edgekv.kv.fuser_training import fused_continuation
 from edgekv.models.capture import capture
 from edgekv.texts import HeldOutText
 
@@ -56,15 +56,9 @@ def matched_noise(true: dict, translated: dict, seed: int) -> dict:
 @torch.no_grad()
 def _fused(edge, base, fuser, acts, text: HeldOutText, layers=None) -> torch.Tensor:
     """Continuation logits over the edge's own prefix cache joined with a fuser's KV (its open layers)."""
-    enable_fusion(edge.model)
     translated = fuser.translate(acts, edge.model, sorted(fuser.info)) if layers != [] else {}
-    own = {i: (base.layers[i].keys[0], base.layers[i].values[0]) for i in fuser.info}
-    override, segments = fuser.fuse(edge.model, own, translated, layers)
-    cache = splice_layers(copy.deepcopy(base), override)
-    p = text.prefix.numel()
-    positions = torch.arange(p, p + text.continuation.numel() - 1)[None]
-    return edge.model(input_ids=text.continuation[None, :-1], past_key_values=cache, position_ids=positions,
-                      use_cache=True, cloud_segments=segments).logits[0]
+    own = [(layer.keys[0], layer.values[0]) for layer in base.layers]
+    return fused_continuation(edge, fuser, own, translated, text.prefix.numel(), text.continuation, layers)
 
 
 @torch.no_grad()

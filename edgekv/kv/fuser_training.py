@@ -129,19 +129,24 @@ def prepare(edge, cloud, texts: list[HeldOutText], fuser: Fuser, pair: tuple[str
     return out
 
 
-def fused_logits(edge, fuser: Fuser, ex: FuseExample, layers: list[int] | None = None) -> torch.Tensor:
-    """Edge logits predicting continuation tokens 1..C−1 over its own prefix KV plus the cloud segments of
-    `layers` (default: the open hard gates); differentiable in the gate biases."""
+def fused_continuation(edge, fuser: Fuser, own: list[KVPair], cloud: dict[int, KVPair], prefix_len: int,
+                       continuation: torch.Tensor, layers: list[int] | None = None) -> torch.Tensor:
+    """Edge logits predicting continuation tokens 1..C−1 over its own prefix KV (every layer, (kv_heads, P, d))
+    plus the fuser's work on the cloud KV of `layers` (default: the open hard gates); differentiable in the gates."""
     enable_fusion(edge.model)
-    override, segments = fuser.fuse(edge.model, dict(enumerate(ex.own)), ex.cloud, layers)
+    override, segments = fuser.fuse(edge.model, dict(enumerate(own)), cloud, layers)
     cache = DynamicCache()
-    for i, (k, v) in enumerate(ex.own):
+    for i, (k, v) in enumerate(own):
         k, v = override.get(i, (k, v))
         cache.update(k[None], v[None], i)
-    p = ex.prefix.numel()
-    positions = torch.arange(p, p + ex.continuation.numel() - 1)[None]
-    return edge.model(input_ids=ex.continuation[None, :-1], past_key_values=cache, position_ids=positions,
+    positions = torch.arange(prefix_len, prefix_len + continuation.numel() - 1)[None]
+    return edge.model(input_ids=continuation[None, :-1], past_key_values=cache, position_ids=positions,
                       cloud_segments=segments).logits[0]
+
+
+def fused_logits(edge, fuser: Fuser, ex: FuseExample, layers: list[int] | None = None) -> torch.Tensor:
+    """`fused_continuation` of one cached training example."""
+    return fused_continuation(edge, fuser, ex.own, ex.cloud, ex.prefix.numel(), ex.continuation, layers)
 
 
 def topk_kl(logits: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor) -> torch.Tensor:
