@@ -28,6 +28,7 @@ import psutil
 from edgekv.atomic import write_text_atomic
 from edgekv.kv.compress_job import CompressConfig, run_compress
 from edgekv.models.loading import load_model
+from edgekv.serve.engine import limit_onednn_cache
 from edgekv.serve.http_server import EdgeServer, percentile
 from edgekv.serve.session import EdgeSession
 
@@ -105,6 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--abuse", type=float, default=0.25, help="share of requests that are bad on purpose")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    limit_onednn_cache()  # as serve-edge does, before this process's first matmul
     kv = args.kv
     if kv is None:
         kv = "runs/bench-load/kv"

@@ -9,6 +9,7 @@ from pathlib import Path
 from edgekv import EdgeKVError
 from edgekv.config import command_config
 from edgekv.models.loading import DTYPES, load_model
+from edgekv.serve.engine import limit_onednn_cache
 from edgekv.serve.http_server import EdgeServer
 from edgekv.serve.pipeline import Link
 from edgekv.serve.pool import ExportPool, expand_sources, export_id
@@ -94,6 +95,7 @@ def open_session(cfg: ServeConfig) -> EdgeSession | ExportPool:
     """Load the edge model and open the KV source (pipelined loading starts at once); with several exports, a
     pool that opens (and verifies) each one now and keeps within --max-kv-mb."""
     cfg.validate()
+    limit_onednn_cache()  # before the first matmul of this process (the session's prefill)
     edge = load_model(cfg.edge, cfg.dtype)
     system = read_system_prompt(cfg.system_prompt) if cfg.system_prompt else None
     sources = cfg.kv_list()
