@@ -14,7 +14,6 @@ next step.
 from __future__ import annotations
 
 import ctypes
-import itertools
 import logging
 import os
 import threading
@@ -108,10 +107,9 @@ class Result:
 class Sequence:
     """A request in flight: its own KV (every layer), tokens, text, and the events it owes its caller."""
 
-    def __init__(self, rid: int, req: GenRequest, on_event: Callable[[str, object], None], num_layers: int):
-        self.id, self.req, self.on_event = rid, req, on_event
+    def __init__(self, req: GenRequest, on_event: Callable[[str, object], None]):
+        self.req, self.on_event = req, on_event
         self.own: list[torch.Tensor] = []  # [k_0, v_0, k_1, v_1, …], each (1, kv_heads, own tokens, d)
-        self.num_layers = num_layers
         self.tokens: list[int] = []
         self.infos: list[TokenInfo] = []
         self.text, self.sent = "", 0  # decoded answer; characters already streamed
@@ -145,7 +143,6 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.cv = threading.Condition()
-        self.ids = itertools.count(1)
         self.stats = {"requests": 0, "finished": 0, "cancelled": 0, "errors": 0, "prompt_tokens": 0,
                       "completion_tokens": 0, "steps": 0, "batched_tokens": 0, "ttft_s": deque(maxlen=10_000)}
         self._stop = False
@@ -165,7 +162,7 @@ class Engine:
         with self.cv:
             if len(self.waiting) + self._running() >= self.max_queue:
                 raise EngineBusy(f"the server is at capacity ({self.max_queue} requests in flight); retry later")
-            seq = Sequence(next(self.ids), req, on_event, self.session.num_layers)
+            seq = Sequence(req, on_event)
             self.waiting.append(seq)
             self.stats["requests"] += 1
             self.cv.notify()
@@ -263,10 +260,11 @@ class Engine:
         ids = torch.cat([t for _, t in work])[None]
         positions = torch.cat([torch.arange(q.position, q.position + t.numel()) for q, t in work])[None]
         q_lens = [t.numel() for _, t in work]
-        ends = torch.tensor(q_lens).cumsum(0)
-        keep = []  # packed rows whose logits are needed: each request's last row; all rows of an echo chunk
-        for (seq, t), end in zip(work, ends.tolist()):
-            keep += list(range(end - t.numel(), end)) if self._wants_prompt_logits(seq, t) else [end - 1]
+        scored = [self._wants_prompt_logits(seq) for seq, _ in work]  # echo + logprobs: every row of the chunk
+        keep, end = [], 0  # packed rows whose logits are needed: each request's last row, or all of a scored chunk
+        for n, all_rows in zip(q_lens, scored):
+            end += n
+            keep += list(range(end - n, end)) if all_rows else [end - 1]
         waited = [0.0]
 
         def shared(i: int):
@@ -281,32 +279,29 @@ class Engine:
                             relay=batch).logits[0]
         self.stats["batched_tokens"] += ids.shape[1]
         row = 0
-        for seq, t in work:
-            n = t.numel()
-            if self._wants_prompt_logits(seq, t):
-                mine, row = logits[row:row + n], row + n
-            else:
-                mine, row = logits[row:row + 1], row + 1
+        for (seq, _), n, all_rows in zip(work, q_lens, scored):
+            width = n if all_rows else 1
+            mine, row = logits[row:row + width], row + width
             seq.position += n
             if seq.next_input is not None and seq.pending is None:  # a decode token
                 self._accept(seq, mine[-1])
                 continue
             seq.layer_wait += waited[0]
             self.stats["prompt_tokens"] += n
-            if seq.req.echo and seq.req.logprobs is not None:
+            if all_rows:
                 seq.prompt_logits.append(mine)
             seq.pending = seq.pending[n:] if n < seq.pending.numel() else None
             if seq.pending is None:  # the prompt is in: its first token
                 if seq.req.echo:
-                    scored = torch.cat(seq.prompt_logits) if seq.prompt_logits else None
-                    seq.prompt_infos = self._prompt_infos(seq.req.user_ids, scored, seq.req.logprobs)
+                    logits_all = torch.cat(seq.prompt_logits) if seq.prompt_logits else None
+                    seq.prompt_infos = self._prompt_infos(seq.req.user_ids, logits_all, seq.req.logprobs)
                 if seq.req.params.max_new_tokens == 0:
                     seq.ttft = time.perf_counter() - seq.submitted
                     self._finish(seq, "length")
                 else:
                     self._accept(seq, mine[-1])
 
-    def _wants_prompt_logits(self, seq: Sequence, chunk: torch.Tensor) -> bool:
+    def _wants_prompt_logits(self, seq: Sequence) -> bool:
         return seq.pending is not None and seq.req.echo and seq.req.logprobs is not None
 
     # ----------------------------------------------------------------------------------------- tokens
