@@ -37,12 +37,28 @@ class RelayBatch:
     q_lens: list[int]  # new tokens of request b in this step (packed in this order)
     segments: dict = field(default_factory=dict)  # layer → CloudSegment (fuse-bias exports)
 
+    def __post_init__(self):
+        self.starts = [0]  # where each request's rows start in the packed step
+        for t in self.q_lens:
+            self.starts.append(self.starts[-1] + t)
+        self.decode = [b for b, t in enumerate(self.q_lens) if t == 1]  # requests decoding one token
+        self._mask = None
+
+    def decode_mask(self) -> torch.Tensor:
+        """The decode rows' mask over their own KV padded to the longest, (B1, 1, 1, L): made at the first layer's
+        attention (after its append) and the same at every layer, since each layer appends the same tokens."""
+        if self._mask is None:
+            lengths = torch.tensor([self.own[b][0].shape[-2] for b in self.decode])
+            self._mask = (torch.arange(int(lengths.max()))[None, :] < lengths[:, None])[:, None, None, :]
+            self.rows = torch.tensor([self.starts[b] for b in self.decode])
+        return self._mask
+
 
 def relay_attention(module: torch.nn.Module, query: torch.Tensor, batch: RelayBatch,
                     scaling: float | None = None) -> torch.Tensor:
     """(1, ΣT, heads, d) attention output of a packed step (query: (1, heads, ΣT, d))."""
     layer = module.layer_idx
-    _, heads, total, d = query.shape
+    heads = query.shape[1]
     sys_k, sys_v = batch.shared(layer)
     o_sys, lse_sys = fast_segment_attention(query, sys_k, sys_v, None, scaling)
     seg = batch.segments.get(layer)
@@ -53,26 +69,18 @@ def relay_attention(module: torch.nn.Module, query: torch.Tensor, batch: RelayBa
         o_sys, lse_sys = merge_attention(o_sys, lse_sys, o_cloud, lse_cloud), torch.logaddexp(lse_sys, lse_cloud)
     o_own = torch.empty_like(o_sys)
     lse_own = torch.empty_like(lse_sys)
-    starts = [0]
-    for t in batch.q_lens:
-        starts.append(starts[-1] + t)
-    decode = [b for b, t in enumerate(batch.q_lens) if t == 1]
-    if decode:  # one padded product for every single-token row
-        keys = [batch.own[b][2 * layer] for b in decode]
-        values = [batch.own[b][2 * layer + 1] for b in decode]
-        longest = max(k.shape[-2] for k in keys)
-        pad = lambda x: torch.nn.functional.pad(x, (0, 0, 0, longest - x.shape[-2]))  # noqa: E731
-        lengths = torch.tensor([k.shape[-2] for k in keys])
-        valid = (torch.arange(longest)[None, :] < lengths[:, None])[:, None, None, :]
-        rows = torch.tensor([starts[b] for b in decode])
-        q = query[0, :, rows].transpose(0, 1)[:, :, None]  # (B1, heads, 1, d)
-        o, lse = fast_segment_attention(q, torch.cat([pad(k) for k in keys]), torch.cat([pad(v) for v in values]),
-                                        valid, scaling)
-        o_own[0, :, rows] = o[:, :, 0].transpose(0, 1).to(o_own.dtype)
-        lse_own[0, :, rows] = lse[:, :, 0].transpose(0, 1).to(lse_own.dtype)
+    if batch.decode:  # one padded product for every single-token row
+        valid = batch.decode_mask()
+        pad = lambda x: torch.nn.functional.pad(x, (0, 0, 0, valid.shape[-1] - x.shape[-2]))  # noqa: E731
+        keys = torch.cat([pad(batch.own[b][2 * layer]) for b in batch.decode])
+        values = torch.cat([pad(batch.own[b][2 * layer + 1]) for b in batch.decode])
+        q = query[0, :, batch.rows].transpose(0, 1)[:, :, None]  # (B1, heads, 1, d)
+        o, lse = fast_segment_attention(q, keys, values, valid, scaling)
+        o_own[0, :, batch.rows] = o[:, :, 0].transpose(0, 1).to(o_own.dtype)
+        lse_own[0, :, batch.rows] = lse[:, :, 0].transpose(0, 1).to(lse_own.dtype)
     for b, t in enumerate(batch.q_lens):
         if t > 1:  # a prefill chunk: causal over the request's own tokens, its new ones last
-            sl = slice(starts[b], starts[b + 1])
+            sl = slice(batch.starts[b], batch.starts[b + 1])
             o, lse = fast_segment_attention(query[:, :, sl], batch.own[b][2 * layer], batch.own[b][2 * layer + 1],
                                             None, scaling, causal=True)
             o_own[:, :, sl] = o.to(o_own.dtype)
