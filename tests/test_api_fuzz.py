@@ -5,8 +5,8 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 
-from edgekv.serve.engine import Engine
 from edgekv.serve.openai_api import APISettings, build_app
+from edgekv.serve.pool import ExportPool
 from edgekv.serve.session import EdgeSession
 from tests.test_serving import _export, edge, edge_dir  # noqa: F401 (fixtures)
 
@@ -17,10 +17,10 @@ KEY = "sk-fuzz"
 def api_schema(edge, edge_dir, tmp_path_factory):  # noqa: F811 (the imported fixtures)
     tmp = tmp_path_factory.mktemp("fuzz")
     session = EdgeSession(edge, str(_export(edge_dir, tmp / "kv", 1)), cache_dir=tmp / "c")
-    engine = Engine(session, max_batch=4, max_queue=64)
-    app = build_app({"kv": engine}, APISettings(api_key=KEY, max_body_bytes=8192, max_tokens_limit=16))
+    pool = ExportPool.of_session("kv", session, max_batch=4, max_queue=64)
+    app = build_app(pool, APISettings(api_key=KEY, max_body_bytes=8192, max_tokens_limit=16))
     yield schemathesis.openapi.from_asgi("/openapi.json", app)
-    engine.close()
+    pool.close()
 
 
 def _check(case) -> None:

@@ -14,22 +14,11 @@ import threading
 import uvicorn
 
 from edgekv.serve.engine import Engine
-from edgekv.serve.openai_api import APISettings, build_app
+from edgekv.serve.openai_api import APISettings, build_app, percentile  # noqa: F401 (bench, tests)
 from edgekv.serve.pool import ExportPool, export_id
 from edgekv.serve.session import EdgeSession, SamplingParams
 
 log = logging.getLogger("edgekv")
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-quantile (0..1) by linear interpolation; None for no values."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = q * (len(xs) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def model_id(session: EdgeSession, name: str | None = None) -> str:
@@ -51,7 +40,7 @@ class EdgeServer:
             self.pool = ExportPool.of_session(model_id(session, name), session, max_batch, max_queue)
             self.session = session
         self.model_id = self.pool.ids()[0]
-        self.settings = APISettings(api_key, max_body, max_tokens_limit, defaults)
+        self.settings = APISettings(api_key, max_body, max_tokens_limit, defaults or SamplingParams())
         self.app = build_app(self.pool, self.settings)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)

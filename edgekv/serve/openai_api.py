@@ -13,7 +13,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -52,22 +52,28 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class CompletionRequest(BaseModel):
-    """POST /v1/completions (fields OpenAI's API has and edgekv does not use are accepted and ignored)."""
+class _Generation(BaseModel):
+    """What completions and chat requests share (fields OpenAI's API has and edgekv does not use are accepted
+    and ignored)."""
 
     model_config = ConfigDict(extra="allow")
     model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=0)
     temperature: float | None = Field(None, ge=0, le=10)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = 1
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+
+class CompletionRequest(_Generation):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
 
 
 class ChatMessage(BaseModel):
@@ -76,23 +82,14 @@ class ChatMessage(BaseModel):
     content: str
 
 
-class ChatRequest(BaseModel):
+class ChatRequest(_Generation):
     """POST /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="allow")
-    model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=10)
-    top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = 1
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
 
 
 @dataclass
@@ -110,19 +107,12 @@ class APISettings:
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
     max_tokens_limit: int = 512
-    defaults: SamplingParams = None  # type: ignore[assignment]  # what a request leaves out
-
-    def __post_init__(self):
-        self.defaults = self.defaults or SamplingParams()
+    defaults: SamplingParams = field(default_factory=SamplingParams)  # what a request leaves out
 
 
-def build_app(pool: ExportPool | dict[str, Engine], settings: APISettings | None = None) -> FastAPI:
+def build_app(pool: ExportPool, settings: APISettings | None = None) -> FastAPI:
     """The FastAPI application over a pool of exports (model id → engine, loaded on demand)."""
     settings = settings or APISettings()
-    if isinstance(pool, dict):  # engines already open: a pool that never unloads them
-        engines, pool = pool, ExportPool(lambda s: None, {})
-        for k, e in engines.items():
-            pool.add(k, e)
     created = int(time.time())
     app = FastAPI(title="edgekv serve-edge", version="1", docs_url=None, redoc_url=None)
     app.state.pool, app.state.settings = pool, settings
@@ -186,12 +176,13 @@ def build_app(pool: ExportPool | dict[str, Engine], settings: APISettings | None
         if body.stream and body.echo:
             raise APIError(400, "echo is not supported with stream", param="echo")
         prompts = _prompt_ids(model.engine, body.prompt)
-        params = _sampling(settings, body.max_tokens, body.temperature, body.top_p, body.seed, allow_zero=body.echo)
+        params = _sampling(settings, body.echo, max_tokens=body.max_tokens, temperature=body.temperature,
+                           top_p=body.top_p, seed=body.seed)
         gens = [GenRequest(ids, params, _stops(body.stop), body.logprobs, body.echo) for ids in prompts]
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse(_stream_completion(model, gens, rid, created, usage, request, _start(model, gens)))
+            return _sse(_stream_completion(model, gens, rid, created, usage, request, _start(model.engine, gens)))
         results = await _run_all(model.engine, gens)
         choices = [_completion_choice(model.engine, i, g, r) for i, (g, r) in enumerate(zip(gens, results))]
         return {"id": rid, "object": "text_completion", "created": created, "model": model.id, "choices": choices,
@@ -203,14 +194,14 @@ def build_app(pool: ExportPool | dict[str, Engine], settings: APISettings | None
         if body.n != 1:
             raise APIError(400, "only n = 1 is supported", param="n")
         ids = chat_prompt_ids(model.engine, [m.model_dump() for m in body.messages])
-        params = _sampling(settings, body.max_completion_tokens or body.max_tokens, body.temperature, body.top_p,
-                           body.seed)
+        params = _sampling(settings, max_tokens=body.max_completion_tokens or body.max_tokens,
+                           temperature=body.temperature, top_p=body.top_p, seed=body.seed)
         k = (body.top_logprobs or 0) if body.logprobs else None
         gen = GenRequest(ids, params, _stops(body.stop), k)
         rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse(_stream_chat(model, gen, rid, created, usage, request, _start(model, [gen])))
+            return _sse(_stream_chat(model, gen, rid, created, usage, request, _start(model.engine, [gen])))
         result = (await _run_all(model.engine, [gen]))[0]
         choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
                   "logprobs": _chat_logprobs(result.tokens) if k is not None else None,
@@ -311,17 +302,14 @@ def chat_prompt_ids(engine: Engine, messages: list[dict]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def _sampling(settings: APISettings, max_tokens, temperature, top_p, seed, allow_zero: bool = False
-              ) -> SamplingParams:
-    d = settings.defaults
-    params = SamplingParams(d.max_new_tokens if max_tokens is None else max_tokens,
-                            d.temperature if temperature is None else temperature,
-                            d.top_p if top_p is None else top_p, d.seed if seed is None else seed)
-    if not (0 if allow_zero else 1) <= params.max_new_tokens <= settings.max_tokens_limit:
-        raise APIError(400, f"max_tokens must be in [{0 if allow_zero else 1}, {settings.max_tokens_limit}]"
-                            f"{' (0 only with echo)' if not allow_zero else ''}, got {params.max_new_tokens}",
-                       param="max_tokens")
-    return params
+def _sampling(settings: APISettings, allow_zero: bool = False, **given) -> SamplingParams:
+    """The request's sampling values (None: left out) over serve-edge's defaults, validated."""
+    try:
+        return settings.defaults.from_request({k: v for k, v in given.items() if v is not None},
+                                              settings.max_tokens_limit, min_tokens=0 if allow_zero else 1)
+    except EdgeKVError as exc:
+        hint = "" if allow_zero else " (0 only with echo)"
+        raise APIError(400, f"{exc}{hint}", param="max_tokens") from exc
 
 
 def _stops(stop) -> list[str]:
@@ -347,20 +335,15 @@ def _submit(engine: Engine, gen: GenRequest, queue: asyncio.Queue, index: int):
 
 async def _run_all(engine: Engine, gens: list[GenRequest]) -> list[Result]:
     """Submit every prompt (they decode together) and wait for all of them."""
-    queue: asyncio.Queue = asyncio.Queue()
-    seqs = []
+    seqs, queue = _start(engine, gens)
     try:
-        for i, g in enumerate(gens):
-            seqs.append(_submit(engine, g, queue, i))
         results: dict[int, Result] = {}
         while len(results) < len(gens):
             i, kind, payload = await queue.get()
             if kind == "done":
                 results[i] = payload
     finally:
-        for s in seqs:
-            if s.finish is None:
-                engine.cancel(s)
+        _cancel_unfinished(engine, seqs)
     for r in results.values():
         if r.finish_reason == "error":
             raise APIError(500, r.error or "internal error", type_="server_error")
@@ -427,18 +410,24 @@ def _data(obj) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
-def _start(model: ServedModel, gens: list[GenRequest]) -> tuple[list, asyncio.Queue]:
-    """Submit a stream's prompts before its 200 is sent (a full queue is still a 429)."""
+def _start(engine: Engine, gens: list[GenRequest]) -> tuple[list, asyncio.Queue]:
+    """Submit every prompt, all or none (a stream's before its 200 is sent: a full queue is still a 429);
+    their events arrive on the queue as (index, kind, payload)."""
     queue: asyncio.Queue = asyncio.Queue()
     seqs = []
     try:
         for i, g in enumerate(gens):
-            seqs.append(_submit(model.engine, g, queue, i))
+            seqs.append(_submit(engine, g, queue, i))
     except APIError:
-        for s in seqs:
-            model.engine.cancel(s)
+        _cancel_unfinished(engine, seqs)
         raise
     return seqs, queue
+
+
+def _cancel_unfinished(engine: Engine, seqs: list) -> None:
+    for s in seqs:
+        if s.finish is None:
+            engine.cancel(s)
 
 
 async def _events(model: ServedModel, started: tuple[list, asyncio.Queue], request: Request):
@@ -456,9 +445,7 @@ async def _events(model: ServedModel, started: tuple[list, asyncio.Queue], reque
             left -= item[1] == "done"
             yield item
     finally:
-        for s in seqs:
-            if s.finish is None:
-                model.engine.cancel(s)
+        _cancel_unfinished(model.engine, seqs)
 
 
 async def _stream_completion(model: ServedModel, gens: list[GenRequest], rid: str, created: int, usage: bool,
@@ -509,6 +496,17 @@ async def _stream_chat(model: ServedModel, gen: GenRequest, rid: str, created: i
 
 # ------------------------------------------------------------------------------------------- metrics
 
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-quantile (0..1) by linear interpolation; None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
 class _EngineCollector:
     """Prometheus metrics read from the engines' counters at scrape time."""
 
@@ -517,28 +515,28 @@ class _EngineCollector:
 
     def collect(self):
         pool = self.app.state.pool
-        served = [ServedModel(k, e) for k, e in pool.loaded().items()]
+        served = pool.loaded()
         counters = {"requests": "Requests accepted", "finished": "Requests finished", "cancelled":
                     "Requests cancelled (client gone)", "errors": "Engine steps that failed", "prompt_tokens":
                     "User-prompt tokens prefilled", "completion_tokens": "Tokens generated", "steps":
                     "Engine steps", "batched_tokens": "Tokens processed by engine forwards"}
         for key, doc in counters.items():
             c = CounterMetricFamily(f"edgekv_{key}", doc, labels=["model"])
-            for m in served:
-                c.add_metric([m.id], m.engine.stats[key])
+            for name, engine in served.items():
+                c.add_metric([name], engine.stats[key])
             yield c
         for key in ("waiting", "running"):
             g = GaugeMetricFamily(f"edgekv_requests_{key}", f"Requests {key}", labels=["model"])
-            for m in served:
-                g.add_metric([m.id], m.engine.load()[key])
+            for name, engine in served.items():
+                g.add_metric([name], engine.load()[key])
             yield g
         g = GaugeMetricFamily("edgekv_ttft_seconds", "Time to first token, recent requests", labels=["model",
                                                                                                   "quantile"])
-        for m in served:
-            xs = sorted(m.engine.stats["ttft_s"])
+        for name, engine in served.items():
+            ttfts = list(engine.stats["ttft_s"])
             for q in (0.5, 0.9, 0.99):
-                if xs:
-                    g.add_metric([m.id, str(q)], xs[min(len(xs) - 1, int(q * len(xs)))])
+                if ttfts:
+                    g.add_metric([name, str(q)], percentile(ttfts, q))
         yield g
         yield CounterMetricFamily("edgekv_http_errors", "Requests answered with an error",
                                   value=self.app.state.http_errors)

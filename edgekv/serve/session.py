@@ -81,19 +81,19 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
 
-    def from_request(self, data: dict, limit: int) -> SamplingParams:
+    def from_request(self, data: dict, limit: int, min_tokens: int = 1) -> SamplingParams:
         """A request's own values ("max_tokens", "temperature", "top_p", "seed") over these defaults, validated;
         ValueError/TypeError for values of the wrong type, EdgeKVError for out-of-range ones."""
         params = SamplingParams(int(data.get("max_tokens", self.max_new_tokens)),
                                 float(data.get("temperature", self.temperature)),
                                 float(data.get("top_p", self.top_p)), int(data.get("seed", self.seed)))
-        params.validate(limit)
+        params.validate(limit, min_tokens)
         return params
 
-    def validate(self, limit: int) -> None:
-        """One-line errors for out-of-range values."""
-        if not 1 <= self.max_new_tokens <= limit:
-            raise EdgeKVError(f"max_tokens must be in [1, {limit}], got {self.max_new_tokens}")
+    def validate(self, limit: int, min_tokens: int = 1) -> None:
+        """One-line errors for out-of-range values (`min_tokens` 0: a prompt scored, nothing generated)."""
+        if not min_tokens <= self.max_new_tokens <= limit:
+            raise EdgeKVError(f"max_tokens must be in [{min_tokens}, {limit}], got {self.max_new_tokens}")
         if not 0.0 <= self.temperature <= 10.0:
             raise EdgeKVError(f"temperature must be in [0, 10], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
