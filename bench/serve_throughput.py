@@ -70,22 +70,10 @@ def run_engine(session: EdgeSession, prompts: list[torch.Tensor], answer: int, m
     engine = Engine(session, max_batch=max_batch, max_queue=max(len(prompts), 1))
     try:
         engine.generate(GenRequest(prompts[0], SamplingParams(max_new_tokens=4)))  # warm-up
-        results, done = [None] * len(prompts), threading.Semaphore(0)
-
-        def on_done(k):
-            def on_event(kind, payload):
-                if kind == "done":
-                    results[k] = payload
-                    done.release()
-            return on_event
-
         base = psutil.Process().memory_info().rss
         with PeakRSS() as rss:
             start = time.perf_counter()
-            for k, p in enumerate(prompts):
-                engine.submit(GenRequest(p, SamplingParams(max_new_tokens=answer)), on_done(k))
-            for _ in prompts:
-                done.acquire()
+            results = engine.generate_all([GenRequest(p, SamplingParams(max_new_tokens=answer)) for p in prompts])
             wall = time.perf_counter() - start
     finally:
         engine.close()

@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
 from edgekv import EdgeKVError
 from edgekv.atomic import write_text_atomic
 from edgekv.progress import Steps
-from edgekv.serve.engine import Engine, GenRequest, Result
+from edgekv.serve.engine import Engine, GenRequest
 from edgekv.serve.serve_job import ServeConfig
 from edgekv.serve.session import EdgeSession, SamplingParams
 
@@ -40,27 +39,9 @@ def run_batch(cfg: ServeConfig, session: EdgeSession, progress=None) -> list[dic
     rows = read_batch(cfg.batch, cfg)
     advance = Steps(progress).task("requests", len(rows))
     engine = Engine(session, max_batch=cfg.max_batch, max_queue=max(len(rows), 1))
-    done: dict[int, Result] = {}
-    finished = threading.Condition()
-
-    def on_done(n: int):
-        def on_event(kind: str, payload) -> None:
-            if kind == "done":
-                with finished:
-                    done[n] = payload
-                    finished.notify()
-        return on_event
-
     try:
-        for n, (_, prompt, params) in enumerate(rows):
-            engine.submit(GenRequest(session.encode_user(prompt), params), on_done(n))
-        seen = 0
-        with finished:
-            while len(done) < len(rows):
-                finished.wait()
-                for _ in range(len(done) - seen):
-                    advance()
-                seen = len(done)
+        done = engine.generate_all([GenRequest(session.encode_user(prompt), params) for _, prompt, params in rows],
+                                   on_done=advance)
     finally:
         engine.close()
     kv = session.describe()

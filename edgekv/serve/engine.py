@@ -175,18 +175,29 @@ class Engine:
             self.cv.notify()
 
     def generate(self, req: GenRequest) -> Result:
-        """Submit and wait (batch mode, tests)."""
-        done = threading.Event()
-        box: list[Result] = []
+        """Submit one request and wait for it."""
+        return self.generate_all([req])[0]
 
-        def on_event(kind: str, payload) -> None:
-            if kind == "done":
-                box.append(payload)
-                done.set()
+    def generate_all(self, reqs: list[GenRequest], on_done: Callable[[], None] | None = None) -> list[Result]:
+        """Submit every request (they decode together) and wait for all; results in input order. `on_done` is
+        called once per finished request, on the caller's thread (a progress bar)."""
+        results: list[Result | None] = [None] * len(reqs)
+        finished = threading.Semaphore(0)
 
-        self.submit(req, on_event)
-        done.wait()
-        return box[0]
+        def on_event(n: int):
+            def handle(kind: str, payload) -> None:
+                if kind == "done":
+                    results[n] = payload
+                    finished.release()
+            return handle
+
+        for n, req in enumerate(reqs):
+            self.submit(req, on_event(n))
+        for _ in reqs:
+            finished.acquire()
+            if on_done is not None:
+                on_done()
+        return results
 
     def load(self) -> dict[str, int]:
         """Requests waiting and running."""
