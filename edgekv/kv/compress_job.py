@@ -337,30 +337,13 @@ def raw_fp16_bytes(tokens: int, kv_heads: int, head_dim: int) -> int:
     return 2 * tokens * kv_heads * head_dim * 2
 
 
-def run_compress(cfg: CompressConfig, progress=None, models: tuple[LoadedModel, LoadedModel] | None = None) -> dict:
-    """Build the KV export in cfg.out (atomically) and return the report (also written as report.json).
-    `models` = (cloud, edge) already loaded (as cfg names them) saves loading them again."""
-    cfg.validate()
-    prompt = read_system_prompt(cfg.system_prompt)
+def _cloud_side(cfg: CompressConfig, cloud: LoadedModel, edge: LoadedModel, ids: torch.Tensor, pairs: list,
+                mapping_source: str, same: bool, steps: Steps) -> tuple:
+    """The cloud-side KV of the prompt, before encoding: (translator, pairs, mapping source, layers, extra files
+    shipped, translator files, timings)."""
     timings: dict[str, float] = {}
+    files: dict = {}
     start = time.perf_counter()
-    same = cfg.cloud == cfg.edge
-    if models is not None:
-        cloud, edge = models
-    else:
-        edge = load_model(cfg.edge, cfg.dtype, cfg.device_map)
-        cloud = edge if same else load_model(cfg.cloud, cfg.dtype, cfg.device_map)
-    check_tokenizers(cloud.tokenizer, edge.tokenizer)
-    timings["load_s"] = time.perf_counter() - start
-    ids = torch.tensor(edge.tokenizer(prompt, add_special_tokens=True)["input_ids"], dtype=torch.long)
-    if ids.numel() == 0:
-        raise EdgeKVError("the system prompt encodes to no tokens")
-    pairs, mapping_source = resolve_pairs(cfg, cloud.num_layers, edge.num_layers, same)
-    if not pairs:
-        raise EdgeKVError("no layer pairs to export (check --start-layer against the mapping)")
-
-    start = time.perf_counter()
-    steps = Steps(progress)
     translator, extra = None, {}
     if same:
         layers = same_model_layers(edge, ids, pairs[0][0], cfg.window, cfg.seed, steps)
@@ -383,6 +366,53 @@ def run_compress(cfg: CompressConfig, progress=None, models: tuple[LoadedModel, 
         if cfg.map_on == "edge" or cfg.splice == "fuse":
             extra = files
     timings["cloud_kv_s"] = time.perf_counter() - start - timings.get("calibration_s", 0.0)
+
+    return translator, pairs, mapping_source, layers, extra, files, timings
+
+
+# Settings that act only after the cloud-side KV is made (encoding, packaging): exports differing only in these
+# can share it.
+ENCODING_KEYS = {"out", "prune_ratio", "quant", "keep_recent", "tar"}
+
+
+def run_compress(cfg: CompressConfig, progress=None, models: tuple[LoadedModel, LoadedModel] | None = None,
+                 layers_cache: dict | None = None) -> dict:
+    """Build the KV export in cfg.out (atomically) and return the report (also written as report.json).
+    `models` = (cloud, edge) already loaded (as cfg names them) saves loading them again. `layers_cache` (a dict
+    the caller keeps) reuses the cloud-side KV of an earlier call that differed only in ENCODING_KEYS: a sweep
+    over ThinK ratios and codecs computes the cloud's KV once; `timings.cached_cloud_kv_s` then says what that
+    computation cost."""
+    cfg.validate()
+    prompt = read_system_prompt(cfg.system_prompt)
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    same = cfg.cloud == cfg.edge
+    if models is not None:
+        cloud, edge = models
+    else:
+        edge = load_model(cfg.edge, cfg.dtype, cfg.device_map)
+        cloud = edge if same else load_model(cfg.cloud, cfg.dtype, cfg.device_map)
+    check_tokenizers(cloud.tokenizer, edge.tokenizer)
+    timings["load_s"] = time.perf_counter() - start
+    ids = torch.tensor(edge.tokenizer(prompt, add_special_tokens=True)["input_ids"], dtype=torch.long)
+    if ids.numel() == 0:
+        raise EdgeKVError("the system prompt encodes to no tokens")
+    pairs, mapping_source = resolve_pairs(cfg, cloud.num_layers, edge.num_layers, same)
+    if not pairs:
+        raise EdgeKVError("no layer pairs to export (check --start-layer against the mapping)")
+
+    steps = Steps(progress)
+    key = json.dumps({k: v for k, v in to_dict(cfg).items() if k not in ENCODING_KEYS} | {"prompt": prompt},
+                     sort_keys=True)
+    if layers_cache is not None and key in layers_cache:
+        translator, pairs, mapping_source, layers, extra, files, cloud_timings = layers_cache[key]
+        timings["cached_cloud_kv_s"] = sum(cloud_timings.values())
+    else:
+        translator, pairs, mapping_source, layers, extra, files, cloud_timings = _cloud_side(
+            cfg, cloud, edge, ids, pairs, mapping_source, same, steps)
+        timings.update(cloud_timings)
+        if layers_cache is not None:
+            layers_cache[key] = (translator, pairs, mapping_source, layers, extra, files, cloud_timings)
 
     start = time.perf_counter()
     advance = steps.task("encode layers (ThinK + quantize)", len(layers))
