@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from bench.compress import xsum_prompt
+from edgekv.eval.network import layer_times
 from edgekv.kv.compress_job import CompressConfig, run_compress
 from edgekv.models.loading import load_model
 from edgekv.models.structure import decoder_layers
@@ -57,30 +58,9 @@ def timed(fn, reps: int) -> list[float]:
     return out
 
 
-def layer_times(session: EdgeSession, user: torch.Tensor) -> tuple[list[float], float]:
+def user_layer_times(session: EdgeSession, user: torch.Tensor) -> tuple[list[float], float]:
     """Per-layer compute (s) of one warm user forward, and the rest (embedding, norm, head)."""
-    layers = decoder_layers(session.model)
-    marks: dict[int, list[float]] = {}
-    handles = []
-    def before(i):
-        def hook(module, args):  # returns None: a pre-hook's return value would replace the layer's inputs
-            marks[i] = [time.perf_counter()]
-        return hook
-
-    def after(i):
-        def hook(module, args, output):
-            marks[i].append(time.perf_counter())
-        return hook
-
-    for i, layer in enumerate(layers):
-        handles.append(layer.register_forward_pre_hook(before(i)))
-        handles.append(layer.register_forward_hook(after(i)))
-    start = time.perf_counter()
-    session.complete(user, SamplingParams(max_new_tokens=1))
-    total = time.perf_counter() - start
-    for h in handles:
-        h.remove()
-    per = [marks[i][1] - marks[i][0] for i in range(len(layers))]
+    per, total = layer_times(session.model, lambda: session.complete(user, SamplingParams(max_new_tokens=1)))
     return per, total - sum(per)
 
 
@@ -179,7 +159,7 @@ def main() -> None:
         print(f"{k:<28}{v * 1e3:>11.1f}{base / v:>9.1f}×")
 
     # ---- cold, pipelined, link emulator set so that transfer ≈ compute
-    per_layer, head = layer_times(same, users[0])
+    per_layer, head = user_layer_times(same, users[0])
     shallow = statistics.median([EdgeSession(edge, str(same_kv), cache_dir=work / "cache").timings[
         "shallow_prefill_s"] for _ in range(3)])
     deep_bytes = [e.bytes for e in same.loader.events]

@@ -298,7 +298,8 @@ class Runner:
             report = run_compress(cfg, models=models, layers_cache=self._layers_cache)
             # a variant that reused the cached cloud KV still cost the cloud that computation once
             cloud_s = time.perf_counter() - start + report["timings"].get("cached_cloud_kv_s", 0.0)
-            info = {"cloud_s": cloud_s, "bytes": report["bytes_written"], "cloud_input": system}
+            info = {"cloud_s": cloud_s, "bytes": report["bytes_written"], "cloud_input": system,
+                    "cloud_fp16_bytes": report["raw_fp16_cloud_bytes"]}
             self.exports[key] = (work / "kv", info)
         return self.exports[key]
 
@@ -309,10 +310,10 @@ class Runner:
         base = parse_strategy(strategy).base
         params = SamplingParams(max_new_tokens=self.cfg.max_new_tokens)
         sent: list[tuple[str, str]] = []  # what this strategy passes to the cloud side
-        cloud_s, bytes_down, network_s = 0.0, 0, 0.0
+        cloud_s, bytes_down, network_s, cloud_fp16 = 0.0, 0, 0.0, None
         if base in SPLICES:
             export, info = self.export(strategy, req.system)
-            cloud_s, bytes_down = info["cloud_s"], info["bytes"]
+            cloud_s, bytes_down, cloud_fp16 = info["cloud_s"], info["bytes"], info["cloud_fp16_bytes"]
             sent.append(("system", info["cloud_input"]))
             model = self.edge
             start = time.perf_counter()
@@ -345,7 +346,8 @@ class Runner:
             "completion_tokens": len(done.token_ids), "ttft_s": ttft, "total_s": total,
             "ms_per_token": 1e3 * (done.total_s - done.ttft_s) / max(1, len(done.token_ids) - 1),
             "network_s": network_s, "cloud_s": cloud_s, "layer_wait_s": done.layer_wait_s,
-            "bytes_cloud_to_edge": bytes_down, "upload_ratio": upload_ratio(req.user, sent),
+            "bytes_cloud_to_edge": bytes_down, "cloud_fp16_bytes": cloud_fp16,
+            "upload_ratio": upload_ratio(req.user, sent),
             "user_text_in_system_prompt": req.user.strip() in req.system,
             "base_memory_mb": _model_bytes(model) / 2**20, "inference_memory_mb": done.kv_bytes / 2**20,
             "rss_mb": _rss_mb(), "kv_source": session.source,

@@ -217,6 +217,20 @@ def write_report(out: Path, rows: list[dict], config: dict, scorer: str | None, 
     else:  # a load table from an earlier run would no longer match this report
         for stale in ("load.csv", "load.png"):
             (out / stale).unlink(missing_ok=True)
+    qpb = []
+    if any("@" in r["strategy"] for r in rows):
+        from edgekv.eval.quality_per_byte import GOAL, plot_pareto, qpb_table, quality_per_byte
+
+        qpb = quality_per_byte(rows, seed)
+        if qpb:
+            write_text_atomic(out / "quality_per_byte.csv", _csv(qpb))
+            plot_pareto(qpb, out / "quality_per_byte.png")
+            md += ["## Quality per byte", "",
+                   "Each ThinK ratio λ × codec variant against its family's uncompressed splice (λ 0, fp16) on the "
+                   "same requests (paired, 95 % bootstrap intervals); bold: Pareto-optimal in bytes vs Δ NLL. Goal: "
+                   f"≥ {GOAL['ratio']:g}× fewer bytes than the cloud's fp16 KV of the same layers at ≤ "
+                   f"{GOAL['nll']} nats and ≤ {GOAL['bertscore'] * 100:g} BERTScore point lost.", "",
+                   qpb_table(qpb), "", "![quality per byte](quality_per_byte.png)", ""]
     md += extra_md or []
     write_text_atomic(out / "report.md", "\n".join(md))
-    return {"summary": summary, "paired": paired, "rows": len(rows), "load": load or []}
+    return {"summary": summary, "paired": paired, "rows": len(rows), "load": load or [], "quality_per_byte": qpb}

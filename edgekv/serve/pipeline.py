@@ -194,25 +194,32 @@ def events_as_dicts(events: list[LayerEvent]) -> list[dict]:
     return [asdict(e) for e in events]
 
 
-def predict_ttft(shallow_s: float, compute_s: list[float], transfer_s: list[float], start_layer: int,
-                 head_s: float = 0.0, first_ready_s: float = 0.0) -> dict[str, float]:
+def pipeline_ttft(shallow_s: float, compute_s: list[float], transfer_s: dict[int, float], head_s: float = 0.0,
+                  first_ready_s: float = 0.0) -> dict[str, float]:
     """The pipeline model of a cold request (CE-LSLM eq. 20; EdgePrompt eqs. 6–14, per layer).
 
-    The loader delivers deep layer i (≥ m) at ready_i = first_ready_s + Σ_{k≤i} transfer_k (one link, in order);
-    the edge first computes its shallow system-prompt layers (shallow_s), then runs the user tokens through
-    layer i once both layer i−1 is done and layer i has arrived: t_i = max(t_{i−1}, ready_i) + compute_i.
-    Returns the predicted TTFT, the serial time (no overlap) and the lower bound max(total compute, total
-    transfer) that perfect overlap would reach.
+    The loader delivers the shipped layers one after another on one link: layer i (a key of transfer_s) is ready
+    at ready_i = first_ready_s + Σ_{shipped k ≤ i} transfer_k; the edge first computes its own system-prompt
+    layers (shallow_s), then runs the user tokens through layer i once layer i−1 is done and, if shipped, layer i
+    has arrived: t_i = max(t_{i−1}, ready_i) + compute_i. Returns the predicted TTFT, the serial time (no overlap)
+    and the lower bound max(total compute, total transfer) that perfect overlap would reach.
     """
     t, ready = shallow_s, first_ready_s
     for i, c in enumerate(compute_s):
-        if i >= start_layer:
-            ready += transfer_s[i - start_layer]
+        if i in transfer_s:
+            ready += transfer_s[i]
             t = max(t, ready)
         t += c
     compute = shallow_s + sum(compute_s) + head_s
-    transfer = first_ready_s + sum(transfer_s)
+    transfer = first_ready_s + sum(transfer_s.values())
     return {"predicted_s": t + head_s, "serial_s": compute + transfer, "bound_s": max(compute, transfer)}
+
+
+def predict_ttft(shallow_s: float, compute_s: list[float], transfer_s: list[float], start_layer: int,
+                 head_s: float = 0.0, first_ready_s: float = 0.0) -> dict[str, float]:
+    """`pipeline_ttft` for a contiguous split: layers start_layer.. shipped, transfer_s in layer order."""
+    return pipeline_ttft(shallow_s, compute_s, {start_layer + k: s for k, s in enumerate(transfer_s)}, head_s,
+                         first_ready_s)
 
 
 def overlap_efficiency(measured_s: float, serial_s: float, bound_s: float) -> float:

@@ -1,0 +1,111 @@
+"""Quality per byte: for each splice family (edgeprompt, ce-lslm), every ThinK ratio × codec variant run by eval
+(`family@λ/codec`) against the family's uncompressed splice (`family@0/fp16`): bytes shipped, compression vs the
+cloud's fp16 KV of the same layers, paired Δ reference NLL and Δ BERTScore with bootstrap intervals; a table, a
+CSV and a Pareto plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from edgekv.eval.eval_job import parse_strategy
+from edgekv.eval.network import pareto
+from edgekv.eval.report import paired_to_edge
+
+# The compass goal of issue 14: ≥ 8× fewer bytes than the cloud's fp16 KV at ≤ 1 BERTScore point and ≤ 0.02 nats.
+GOAL = {"ratio": 8.0, "bertscore": 0.01, "nll": 0.02}
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def quality_per_byte(rows: list[dict], seed: int = 0) -> list[dict]:
+    """One row per (dataset, variant) of a family whose uncompressed reference `family@0/fp16` was run."""
+    out = []
+    variants = {r["strategy"]: parse_strategy(r["strategy"]) for r in rows}
+    for dataset in dict.fromkeys(r["dataset"] for r in rows):
+        here = [r for r in rows if r["dataset"] == dataset]
+        for name, st in variants.items():
+            if st.prune_ratio is None:
+                continue
+            reference = f"{st.base}{':' + st.variant if st.variant else ''}@0/fp16"
+            mine = [r for r in here if r["strategy"] == name]
+            if not mine or not any(r["strategy"] == reference for r in here):
+                continue
+            pair = [r for r in here if r["strategy"] in (name, reference)]
+            nll = paired_to_edge(pair, "ref_nll", reference, seed)
+            bert = paired_to_edge(pair, "bertscore_f1", reference, seed)
+            sent = _mean([r["bytes_cloud_to_edge"] for r in mine])
+            raw = _mean([r.get("cloud_fp16_bytes") for r in mine])
+            row = {"dataset": dataset, "family": st.base + (f":{st.variant}" if st.variant else ""),
+                   "strategy": name, "prune_ratio": st.prune_ratio, "quant": st.quant, "n": len(mine),
+                   "mb_sent": sent / 2**20, "ratio_vs_cloud_fp16": raw / sent if raw and sent else None,
+                   "ref_nll": _mean([r["ref_nll"] for r in mine]),
+                   "bertscore_f1": _mean([r["bertscore_f1"] for r in mine])}
+            for key, diff in (("d_nll", nll), ("d_bertscore", bert)):
+                d = diff[0] if diff else {"delta_mean": 0.0, "ci95_lo": None, "ci95_hi": None}
+                row.update({key: d["delta_mean"], f"{key}_lo": d["ci95_lo"], f"{key}_hi": d["ci95_hi"]})
+            row["meets_goal"] = bool(row["ratio_vs_cloud_fp16"] and row["ratio_vs_cloud_fp16"] >= GOAL["ratio"]
+                                     and row["d_nll"] <= GOAL["nll"] and row["d_bertscore"] >= -GOAL["bertscore"])
+            out.append(row)
+    return out
+
+
+def _ci(v, lo, hi, digits: int = 3) -> str:
+    if v is None:
+        return "–"
+    return f"{v:+.{digits}f}" + ("" if lo is None else f" [{lo:+.{digits}f}, {hi:+.{digits}f}]")
+
+
+def qpb_table(rows: list[dict]) -> str:
+    """Markdown table of quality_per_byte rows, Pareto-optimal variants (bytes vs Δ NLL) in bold."""
+    lines = ["| dataset | family | λ | codec | n | MB sent | × vs cloud fp16 | Δ ref. NLL vs uncompressed | "
+             "Δ BERTScore vs uncompressed | goal |", "|---|---|---:|---|---:|---:|---:|---|---|---|"]
+    for (dataset, family) in dict.fromkeys((r["dataset"], r["family"]) for r in rows):
+        part = [r for r in rows if r["dataset"] == dataset and r["family"] == family]
+        front = set(pareto([(r["mb_sent"], r["d_nll"]) for r in part]))
+        for k, r in enumerate(part):
+            b = "**" if k in front else ""
+            ratio = "–" if r["ratio_vs_cloud_fp16"] is None else f"{r['ratio_vs_cloud_fp16']:.1f}"
+            lines.append(f"| {dataset} | {family} | {b}{r['prune_ratio']:g}{b} | {b}{r['quant']}{b} | {r['n']} | "
+                         f"{r['mb_sent']:.3f} | {ratio} | {_ci(r['d_nll'], r['d_nll_lo'], r['d_nll_hi'])} | "
+                         f"{_ci(r['d_bertscore'], r['d_bertscore_lo'], r['d_bertscore_hi'])} | "
+                         f"{'met' if r['meets_goal'] else '–'} |")
+    return "\n".join(lines)
+
+
+def plot_pareto(rows: list[dict], path: Path) -> None:
+    """Δ reference NLL vs MB sent, one panel per dataset, a marker per variant, the Pareto front per family."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    fig, axes = plt.subplots(1, len(datasets), figsize=(5.5 * len(datasets), 4.2), squeeze=False)
+    markers = {"fp16": "o", "bf16": "o", "int8": "s", "int4": "^", "fp32": "D"}
+    for ax, d in zip(axes[0], datasets):
+        for family in dict.fromkeys(r["family"] for r in rows if r["dataset"] == d):
+            part = [r for r in rows if r["dataset"] == d and r["family"] == family]
+            line = None
+            for r in part:
+                err = None if r["d_nll_lo"] is None else [[r["d_nll"] - r["d_nll_lo"]], [r["d_nll_hi"] - r["d_nll"]]]
+                line = ax.errorbar(r["mb_sent"], r["d_nll"], yerr=err, fmt=markers.get(r["quant"], "o"),
+                                   color=line[0].get_color() if line else None, alpha=0.8, capsize=2)
+                ax.annotate(f"{r['prune_ratio']:g}/{r['quant']}", (r["mb_sent"], r["d_nll"]), fontsize=6,
+                            xytext=(3, 3), textcoords="offset points")
+            front = pareto([(r["mb_sent"], r["d_nll"]) for r in part])
+            ax.plot([part[k]["mb_sent"] for k in front], [part[k]["d_nll"] for k in front], "-",
+                    color=line[0].get_color(), label=f"{family} (Pareto front)")
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.axhline(GOAL["nll"], color="grey", lw=0.8, ls=":", label="+0.02 nats")
+        ax.set_xscale("log")
+        ax.set(title=f"{d}: quality per byte", xlabel="MB sent per system prompt (log)",
+               ylabel="Δ ref. NLL vs uncompressed splice (nats/token)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
