@@ -121,6 +121,15 @@ def test_plan_command_picks_and_measures(qpb_run, tmp_path):
     assert slow["strategy"] == "edge-only"  # 50 kbit/s: any export costs more than the tiny edge's prefill
     assert all(p["measured_s"] > 0 for p in plan_["picks"])
     assert (out / "ttft_vs_bandwidth.png").exists() and "Planner" in (out / "plan.md").read_text()
+    # planning into an eval report adds its sections (and the Pareto plot) to report.md
+    import shutil
+
+    shutil.copytree(root / "eval", tmp_path / "report", ignore=shutil.ignore_patterns("work"))
+    result = runner.invoke(app, ["plan", "--qpb", str(root / "eval"), "--no-measure", "--max-quality-loss", "100",
+                                 "--out", str(tmp_path / "report")])
+    assert result.exit_code == 0, result.output
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "## Planner" in report and "## Quality per byte" in report and "| xsum | edge-only |" in report
     # at 0.2 Mbit/s the link dominates a splice's TTFT: the model must get it within 15 %
     for r in plan_["sweep"]:
         if r["mbps"] == 0.2 and r["strategy"] in ("edgeprompt", "ce-lslm"):

@@ -461,8 +461,6 @@ SHARD_KEYS = {"out", "shard"}
 def merge_runs(dirs: list[Path], out: Path) -> dict:
     """Join the rows of shard directories (`--shard i/n`, together covering 1..n) into one report in `out`;
     refuses shards made with other settings, a missing or repeated shard, or rows seen twice."""
-    from edgekv.eval.report import write_report
-
     if not dirs:
         raise EdgeKVError("--merge needs at least one run directory")
     configs = []
@@ -491,12 +489,22 @@ def merge_runs(dirs: list[Path], out: Path) -> dict:
             seen.add(key)
             rows.append(r)
     cfg = dict(first, out=str(out), shard=None)
-    strategies, datasets = cfg["strategies"], cfg["datasets"]
-    rows = [r for r in rows if r["dataset"] in datasets and r["strategy"] in strategies]
-    order = {(r["dataset"], r["id"]): (datasets.index(r["dataset"]), r["index"]) for r in rows}
-    rows = canonical(rows, order, strategies)
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "results.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    write_text_atomic(out / "config.json", json.dumps(cfg, indent=1))
+    return rewrite_report(out)
+
+
+def rewrite_report(out: Path) -> dict:
+    """Summaries and report.md of an eval directory made again from its results.jsonl and config.json (no
+    model is loaded): after a merge, or when `edgekv plan` adds its sections."""
+    from edgekv.eval.report import write_report
+
+    cfg = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    strategies, datasets = cfg["strategies"], cfg["datasets"]
+    rows = [r for r in read_results(out / "results.jsonl") if r["dataset"] in datasets and r["strategy"] in strategies]
+    order = {(r["dataset"], r["id"]): (datasets.index(r["dataset"]), r["index"]) for r in rows}
+    rows = canonical(rows, order, strategies)
     scorer = next((r["bertscore_model"] for r in rows if r.get("bertscore_model")), None)
     return write_report(out, rows, cfg, scorer, {"cloud": cfg["cloud"], "edge": cfg["edge"]})
 

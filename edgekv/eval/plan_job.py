@@ -11,7 +11,9 @@ the link emulator and reports measured against predicted, and sweeps the fixed s
 
 from __future__ import annotations
 
+import csv
 import json
+import shutil
 import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -22,7 +24,7 @@ from edgekv import EdgeKVError
 from edgekv.atomic import write_text_atomic
 from edgekv.config import command_config, load_config, to_dict
 from edgekv.eval.datasets import load_requests
-from edgekv.eval.eval_job import EvalConfig, Runner, parse_strategy, read_results
+from edgekv.eval.eval_job import EvalConfig, Runner, parse_strategy, read_results, rewrite_report
 from edgekv.eval.network import (
     Candidate,
     Profile,
@@ -103,7 +105,7 @@ def build_candidates(runner: Runner, system: str, losses: dict[str, dict], split
         c = candidate_from_export(str(kv), st.base, loss["delta_mean"])
         if st.base == "edgeprompt":
             out += [replace(c, start_layer=m, layer_bytes={i: b for i, b in c.layer_bytes.items() if i >= m})
-                    for m in splits]
+                    for m in splits if m < runner.edge.num_layers]
         else:
             out.append(c)
     return out
@@ -172,10 +174,37 @@ def run_plan(cfg: PlanConfig, progress=None) -> dict:
               "candidates": [{"label": c.label, "mb": c.bytes / 2**20, "quality_loss": c.quality_loss}
                              for c in candidates], "picks": picks, "sweep": sweep}
     write_text_atomic(out / "plan.json", json.dumps(result, indent=1))
-    write_text_atomic(out / "plan.md", plan_markdown(result))
+    md = plan_markdown(result)
+    if (qpb / "quality_per_byte.csv").exists():  # the trade-off the planner chose from, beside its picks
+        from edgekv.eval.quality_per_byte import qpb_table
+
+        shutil.copyfile(qpb / "quality_per_byte.png", out / "quality_per_byte.png")
+        with (qpb / "quality_per_byte.csv").open(encoding="utf-8") as f:
+            table = [_typed(r) for r in csv.DictReader(f)]
+        md += (f"\n## Quality per byte ({cfg.qpb})\n\n" + qpb_table(table) +
+               "\n\n![quality per byte](quality_per_byte.png)\n")
+    write_text_atomic(out / "plan.md", md)
     if sweep:
         plot_sweep(sweep, profile, swept, cfg, out / "ttft_vs_bandwidth.png")
+    if (out / "results.jsonl").exists() and (out / "config.json").exists():  # an eval report: add the sections
+        rewrite_report(out)
     return result
+
+
+def _typed(row: dict) -> dict:
+    """A quality_per_byte.csv row with its numbers and flags typed again."""
+    out = {}
+    for k, v in row.items():
+        if v in ("", None):
+            out[k] = None
+        elif v in ("True", "False"):
+            out[k] = v == "True"
+        else:
+            try:
+                out[k] = float(v) if k != "n" else int(v)
+            except ValueError:
+                out[k] = v
+    return out
 
 
 def _candidate_names(candidates: list[Candidate], names: list[str]) -> dict[int, str]:

@@ -232,5 +232,7 @@ def write_report(out: Path, rows: list[dict], config: dict, scorer: str | None, 
                    f"{GOAL['nll']} nats and ≤ {GOAL['bertscore'] * 100:g} BERTScore point lost.", "",
                    qpb_table(qpb), "", "![quality per byte](quality_per_byte.png)", ""]
     md += extra_md or []
+    if (out / "plan.md").exists():  # `edgekv plan --out` this directory: the planner and the bandwidth sweep
+        md += [(out / "plan.md").read_text(encoding="utf-8")]
     write_text_atomic(out / "report.md", "\n".join(md))
     return {"summary": summary, "paired": paired, "rows": len(rows), "load": load or [], "quality_per_byte": qpb}
