@@ -27,11 +27,13 @@ def compress(
     quant: Optional[str] = typer.Option(None, help="fp16, bf16, int8 or int4 [fp16]."),
     map_on: Optional[str] = typer.Option(None, help="Apply the cross-model map on the cloud or the edge [cloud]."),
     translator: Optional[str] = typer.Option(
-        None, help="Cross-model translator: ridge, hidden, trained, fuse-bias, fuse-residual [ridge]."),
+        None, help="Cross-model translator: ridge, hidden, trained, fuse-bias, fuse-residual [ridge, or the "
+                   "shipped fuser with --splice auto]."),
     translator_path: Optional[Path] = typer.Option(None, help="A saved translator (needed for trained) [fit one]."),
     local_sink_tokens: Optional[int] = typer.Option(None, help="First s prompt tokens the edge computes itself [1]."),
-    splice: Optional[str] = typer.Option(None, help="replace (cloud KV instead of the edge's) or fuse (beside it, "
-                                         "through a trained fuser's gates) [replace]."),
+    splice: Optional[str] = typer.Option(None, help="replace (cloud KV instead of the edge's), fuse (beside it, "
+                                         "through a trained fuser's gates), or auto: fuse with the shipped fuser of "
+                                         "this exact pair when no --translator is given, else replace [auto]."),
     calib: Optional[Path] = typer.Option(None, help="Calibration texts for the maps (.jsonl/.txt) [ShareGPT]."),
     calib_texts: Optional[int] = typer.Option(None, help="Calibration texts [16]."),
     calib_tokens: Optional[int] = typer.Option(None, help="Tokens per calibration text [256]."),

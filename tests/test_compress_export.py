@@ -230,3 +230,28 @@ def test_cli_bad_input(case, tiny_models, tmp_path):
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and expect in errors[0], result.stderr
     assert not out.exists() and not any(p.name.startswith(".kv") for p in tmp_path.iterdir())
+
+
+def test_splice_auto_takes_the_shipped_fuser_of_this_pair_only(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from edgekv.kv import compress_job
+    from edgekv.kv.compress_job import CompressConfig, resolve_splice, shipped_fuser
+
+    root = tmp_path / "fusers"
+    (root / "f").mkdir(parents=True)
+    (root / "f" / "translator.json").write_text(json.dumps({"name": "fuse-residual", "cloud_fingerprint": "c1",
+                                                            "edge_fingerprint": "e1"}))
+    monkeypatch.setattr(compress_job, "SHIPPED_FUSERS", root)
+    assert shipped_fuser("c1", "e1") == root / "f" and shipped_fuser("c1", "e2") is None
+    cloud, edge = SimpleNamespace(fingerprint="c1"), SimpleNamespace(fingerprint="e1")
+    base = CompressConfig(out="o", system_prompt="s")
+    got = resolve_splice(base, cloud, edge, same=False)
+    assert (got.splice, got.translator, got.translator_path) == ("fuse", "fuse-residual", str(root / "f"))
+    assert base.splice == "auto" and base.translator is None  # the caller's config is not changed
+    other = resolve_splice(base, cloud, SimpleNamespace(fingerprint="e2"), same=False)
+    assert (other.splice, other.translator) == ("replace", "ridge")
+    asked = resolve_splice(CompressConfig(out="o", system_prompt="s", translator="hidden"), cloud, edge, False)
+    assert (asked.splice, asked.translator) == ("replace", "hidden")  # an explicit translator wins
+    same = resolve_splice(base, cloud, edge, same=True)
+    assert (same.splice, same.translator) == ("replace", "ridge")

@@ -232,7 +232,8 @@ def test_compress_refuses_fuse_without_a_fuser_and_an_all_closed_fuser(tiny_mode
     with pytest.raises(EdgeKVError, match="--splice fuse needs a trained fuser"):
         run_compress(CompressConfig(out=str(tmp_path / "a"), splice="fuse", translator="hidden", **base))
     with pytest.raises(EdgeKVError, match="is a fuser"):
-        run_compress(CompressConfig(out=str(tmp_path / "b"), translator="fuse-bias", translator_path="x", **base))
+        run_compress(CompressConfig(out=str(tmp_path / "b"), translator="fuse-bias", translator_path="x",
+                                    splice="replace", **base))
     edge, fuser, _, _ = _fuse_export(tiny_models, calib_file, tmp_path, 0.0, "x")
     fuser.set_open([])
     cloud = load_model(tiny_models["cloud"], "float32")

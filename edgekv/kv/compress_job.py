@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -57,10 +57,12 @@ class CompressConfig:
     keep_recent: int = 0
     quant: str = "fp16"
     map_on: str = "cloud"
-    translator: str = "ridge"  # ridge | hidden | trained (see translators.TRANSLATORS)
+    translator: str | None = None  # ridge | hidden | trained | fuse-*; None: ridge, or the shipped fuser (auto)
     translator_path: str | None = None  # a saved translator (required for trained); None: fit on calibration
     local_sink_tokens: int = 1  # the edge computes the first s system-prompt tokens' deep KV itself
-    splice: str = "replace"  # replace: cloud KV instead of the edge's own; fuse: beside it, through a fuser's gates
+    splice: str = "auto"  # replace: cloud KV instead of the edge's own; fuse: beside it, through a fuser's gates;
+    # auto: fuse with the project's shipped fuser of this exact pair (fusers/) when --translator and
+    # --translator-path are not given, else replace
     calib: str | None = None  # calibration texts for the maps; None: ShareGPT
     calib_texts: int = 16
     calib_tokens: int = 256
@@ -83,14 +85,16 @@ class CompressConfig:
             raise EdgeKVError(f"unknown --quant '{self.quant}' (choose from {', '.join(SCHEMES)})")
         if self.map_on not in ("cloud", "edge"):
             raise EdgeKVError(f"--map-on must be 'cloud' or 'edge', got '{self.map_on}'")
-        if self.translator not in TRANSLATORS:
+        if self.translator is not None and self.translator not in TRANSLATORS:
             raise EdgeKVError(f"unknown --translator '{self.translator}' (choose from {', '.join(TRANSLATORS)})")
         if self.translator == "trained" and not self.translator_path:
             raise EdgeKVError("--translator trained needs --translator-path (a checkpoint of "
                               "`python -m bench.train_translator`)")
-        if self.splice not in ("replace", "fuse"):
-            raise EdgeKVError(f"--splice must be 'replace' or 'fuse', got '{self.splice}'")
-        is_fuser = getattr(TRANSLATORS[self.translator], "splice", "replace") == "fuse"
+        if self.splice not in ("auto", "replace", "fuse"):
+            raise EdgeKVError(f"--splice must be 'auto', 'replace' or 'fuse', got '{self.splice}'")
+        if self.translator_path and self.translator is None:
+            raise EdgeKVError("--translator-path needs --translator (the kind of translator it holds)")
+        is_fuser = getattr(TRANSLATORS.get(self.translator), "splice", "replace") == "fuse"
         if self.splice == "fuse" and not (is_fuser and self.translator_path):
             raise EdgeKVError("--splice fuse needs a trained fuser: --translator fuse-bias|fuse-residual "
                               "--translator-path DIR (from `edgekv train-fuser`)")
@@ -370,6 +374,41 @@ def _cloud_side(cfg: CompressConfig, cloud: LoadedModel, edge: LoadedModel, ids:
     return translator, pairs, mapping_source, layers, extra, files, timings
 
 
+SHIPPED_FUSERS = Path(__file__).resolve().parents[2] / "fusers"
+
+
+def shipped_fuser(cloud_fingerprint: str, edge_fingerprint: str, root: Path | None = None) -> Path | None:
+    """The project's trained fuser for exactly this model pair (fusers/*/translator.json), if one ships."""
+    for config in sorted((root or SHIPPED_FUSERS).glob("*/translator.json")):
+        try:
+            info = json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            continue
+        if (info.get("cloud_fingerprint"), info.get("edge_fingerprint")) == (cloud_fingerprint, edge_fingerprint):
+            return config.parent
+    return None
+
+
+def resolve_splice(cfg: CompressConfig, cloud: LoadedModel, edge: LoadedModel, same: bool) -> CompressConfig:
+    """`--splice auto` and an unset translator made concrete: the shipped fuser of this pair (fuse) when one
+    exists and no translator was asked for, else replace with the asked-for translator (ridge if none)."""
+    cfg = replace(cfg)
+    if same:
+        cfg.splice = "replace"
+    elif cfg.splice == "auto":
+        fuser = shipped_fuser(cloud.fingerprint, edge.fingerprint) if cfg.translator is None else None
+        if fuser is not None:
+            name = json.loads((fuser / "translator.json").read_text(encoding="utf-8"))["name"]
+            cfg.translator, cfg.translator_path, cfg.splice = name, str(fuser), "fuse"
+        else:
+            is_fuser = getattr(TRANSLATORS.get(cfg.translator), "splice", "replace") == "fuse"
+            cfg.splice = "fuse" if is_fuser else "replace"
+    if cfg.translator is None:
+        cfg.translator = "ridge"
+    cfg.validate()
+    return cfg
+
+
 # Settings that act only after the cloud-side KV is made (encoding, packaging): exports differing only in these
 # can share it.
 ENCODING_KEYS = {"out", "prune_ratio", "quant", "keep_recent", "tar"}
@@ -393,6 +432,7 @@ def run_compress(cfg: CompressConfig, progress=None, models: tuple[LoadedModel, 
         edge = load_model(cfg.edge, cfg.dtype, cfg.device_map)
         cloud = edge if same else load_model(cfg.cloud, cfg.dtype, cfg.device_map)
     check_tokenizers(cloud.tokenizer, edge.tokenizer)
+    cfg = resolve_splice(cfg, cloud, edge, same)
     timings["load_s"] = time.perf_counter() - start
     ids = torch.tensor(edge.tokenizer(prompt, add_special_tokens=True)["input_ids"], dtype=torch.long)
     if ids.numel() == 0:
