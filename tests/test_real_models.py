@@ -44,8 +44,12 @@ def test_compress_on_the_default_pair_and_reload(tmp_path):
     out = tmp_path / "kv"
     prompt = ("You are a careful assistant for a small electronics shop. Answer briefly, cite the return policy "
               "(30 days, receipt required) when asked about refunds, and never invent stock levels.")
+    auto = run_compress(CompressConfig(out=str(tmp_path / "auto"), system_prompt=prompt, quant="int8",
+                                       prune_ratio=0.5))  # the default: the shipped fuser of this pair
+    assert auto["config"]["splice"] == "fuse" and auto["translator"]["name"] == "fuse-residual"
+    assert auto["translator"]["source"].endswith("fusers/default-residual-m12")
     report = run_compress(CompressConfig(out=str(out), system_prompt=prompt, quant="int8", prune_ratio=0.5,
-                                         calib_texts=4, calib_tokens=64))
+                                         calib_texts=4, calib_tokens=64, splice="replace"))
     assert report["regime"] == "heterogeneous"
     assert [r["edge_layer"] for r in report["layers"]] == list(range(12, 24))
     assert all(r["kept_channels"] == 32 and r["head_dim"] == 64 for r in report["layers"])
