@@ -489,10 +489,19 @@ def merge_runs(dirs: list[Path], out: Path) -> dict:
             seen.add(key)
             rows.append(r)
     cfg = dict(first, out=str(out), shard=None)
+    rows = _in_order(rows, cfg)
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "results.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     write_text_atomic(out / "config.json", json.dumps(cfg, indent=1))
     return rewrite_report(out)
+
+
+def _in_order(rows: list[dict], cfg: dict) -> list[dict]:
+    """The config's datasets and strategies only, in canonical order (by each row's position in the sample)."""
+    strategies, datasets = cfg["strategies"], cfg["datasets"]
+    rows = [r for r in rows if r["dataset"] in datasets and r["strategy"] in strategies]
+    order = {(r["dataset"], r["id"]): (datasets.index(r["dataset"]), r.get("index", 0)) for r in rows}  # stable
+    return canonical(rows, order, strategies)
 
 
 def rewrite_report(out: Path) -> dict:
@@ -501,10 +510,7 @@ def rewrite_report(out: Path) -> dict:
     from edgekv.eval.report import write_report
 
     cfg = json.loads((out / "config.json").read_text(encoding="utf-8"))
-    strategies, datasets = cfg["strategies"], cfg["datasets"]
-    rows = [r for r in read_results(out / "results.jsonl") if r["dataset"] in datasets and r["strategy"] in strategies]
-    order = {(r["dataset"], r["id"]): (datasets.index(r["dataset"]), r["index"]) for r in rows}
-    rows = canonical(rows, order, strategies)
+    rows = _in_order(read_results(out / "results.jsonl"), cfg)
     scorer = next((r["bertscore_model"] for r in rows if r.get("bertscore_model")), None)
     return write_report(out, rows, cfg, scorer, {"cloud": cfg["cloud"], "edge": cfg["edge"]})
 
