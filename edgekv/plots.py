@@ -63,7 +63,7 @@ def loss_curve(log: list[dict], path: str | Path, title: str) -> None:
     right.set_ylabel("change on held-out texts (nats/token)")
     right.legend()
     fig.suptitle(title)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def interval_plot(ci: dict[str, dict[str, dict]], path: str | Path, title: str) -> None:
@@ -83,10 +83,10 @@ def interval_plot(ci: dict[str, dict[str, dict]], path: str | Path, title: str) 
         ax.set_title(f"{source} (n = {ci[source][names[0]]['n']})")
         ax.set_xlabel("Δ NLL (nats/token)")
     fig.suptitle(title)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
-def _save(fig, path: str | Path) -> None:
+def save_figure(fig, path: str | Path) -> None:
     """Write a figure all-or-nothing (temp file, then rename) and close it."""
     fig.tight_layout()
     tmp = Path(path).with_suffix(".tmp.png")

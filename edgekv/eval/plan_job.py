@@ -37,6 +37,7 @@ from edgekv.eval.network import (
 )
 from edgekv.eval.report import paired_to_edge
 from edgekv.kv.compress_job import run_compress
+from edgekv.plots import save_figure
 from edgekv.progress import Steps
 from edgekv.serve.pipeline import Link
 
@@ -299,8 +300,4 @@ def plot_sweep(sweep: list[dict], profile: Profile, strategies: dict[str, Candid
     ax.set(xlabel="bandwidth (Mbit/s, log)", ylabel="cold TTFT (s, log)",
            title=f"cold TTFT vs bandwidth ({cfg.sweep_latency_ms:g} ms per file): points measured, lines predicted")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
+    save_figure(fig, path)

@@ -10,6 +10,7 @@ from pathlib import Path
 from edgekv.eval.eval_job import parse_strategy
 from edgekv.eval.network import pareto
 from edgekv.eval.report import paired_to_edge
+from edgekv.plots import save_figure
 
 # The compass goal of issue 14: ≥ 8× fewer bytes than the cloud's fp16 KV at ≤ 1 BERTScore point and ≤ 0.02 nats.
 GOAL = {"ratio": 8.0, "bertscore": 0.01, "nll": 0.02}
@@ -104,8 +105,4 @@ def plot_pareto(rows: list[dict], path: Path) -> None:
         ax.set(title=f"{d}: quality per byte", xlabel="MB sent per system prompt (log)",
                ylabel="Δ ref. NLL vs uncompressed splice (nats/token)")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
+    save_figure(fig, path)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from edgekv.atomic import write_text_atomic
 from edgekv.eval.stats import bootstrap_ci, cell_seed, paired_bootstrap
+from edgekv.plots import save_figure
 
 # Cells with a 95 % bootstrap interval: (column, row key, statistic). Quality and latency; the rest are costs that
 # do not vary between requests of one setting (memory, bytes) or are reported as plain means.
@@ -127,11 +128,7 @@ def plot_latency(summary: list[dict], rows: list[dict], path: Path) -> None:
         ax.set_title(f"{d}: time to first token")
         ax.set_ylabel("seconds")
         ax.tick_params(axis="x", rotation=30)
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
+    save_figure(fig, path)
 
 
 def plot_load(load: list[dict], path: Path) -> None:
@@ -150,11 +147,7 @@ def plot_load(load: list[dict], path: Path) -> None:
     axes[0].set(xlabel="request rate (req/s)", ylabel="average latency (s)")
     axes[1].set(xlabel="request rate (req/s)", ylabel="normalized latency (s/token)")
     axes[0].legend()
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
+    save_figure(fig, path)
 
 
 def load_table(load: list[dict]) -> str:
