@@ -222,7 +222,8 @@ def write_report(out: Path, rows: list[dict], config: dict, scorer: str | None, 
                    "Each ThinK ratio λ × codec variant against its family's uncompressed splice (λ 0, fp16) on the "
                    "same requests (paired, 95 % bootstrap intervals); bold: Pareto-optimal in bytes vs Δ NLL. Goal: "
                    f"≥ {GOAL['ratio']:g}× fewer bytes than the cloud's fp16 KV of the same layers at ≤ "
-                   f"{GOAL['nll']} nats and ≤ {GOAL['bertscore'] * 100:g} BERTScore point lost.", "",
+                   f"{GOAL['nll']} nats and ≤ {GOAL['bertscore'] * 100:g} BERTScore point lost: `met` when both "
+                   "95 % intervals stay within it, `point` when only the point estimates do.", "",
                    qpb_table(qpb), "", "![quality per byte](quality_per_byte.png)", ""]
     md += extra_md or []
     if (out / "plan.md").exists():  # `edgekv plan --out` this directory: the planner and the bandwidth sweep
