@@ -52,7 +52,11 @@ class PlanConfig:
     qpb: str = "reports/eval-qpb"  # eval run with the quality-per-byte variants
     out: str = "runs/plan"
     dataset: str = "xsum"  # quality losses and the profiled request come from this dataset
-    request: int = 0  # which request of the run's sample is profiled and measured
+    request: int | None = None  # which request of the run's sample is profiled and measured; None: the one with
+    # the longest system prompt (the shared-prompt case the splice is for)
+    sweep: list[str] = field(default_factory=lambda: ["edgeprompt@0/fp16", "ce-lslm@0.5/int8", "ce-lslm-fuse"])
+    # the splice strategies swept over bandwidth (beside edge-only and cloud-only): EdgePrompt's lossless split,
+    # CE-LSLM's default compression, fusion
     links: list[str] = field(default_factory=lambda: ["1,20", "5,20", "20,20", "100,20", "1000,20", "5,5",
                                                       "100,50"])  # "Mbit/s,ms"
     max_quality_loss: float = 0.02  # nats/token vs edge-only's exact answer
@@ -66,7 +70,7 @@ class PlanConfig:
         """One-line errors before any model is loaded."""
         for link in self.links:
             parse_link(link)
-        if self.reps < 1 or self.request < 0:
+        if self.reps < 1 or (self.request is not None and self.request < 0):
             raise EdgeKVError("reps must be ≥ 1 and request ≥ 0")
         if not (Path(self.qpb) / "results.jsonl").exists():
             raise EdgeKVError(f"{self.qpb}: no results.jsonl (run `edgekv eval` with the quality-per-byte "
@@ -85,7 +89,9 @@ def parse_link(text: str) -> Link:
 
 
 def quality_losses(rows: list[dict], dataset: str, seed: int = 0) -> dict[str, dict]:
-    """Strategy → paired Δ reference NLL vs edge-only on `dataset` (edge-only itself: 0)."""
+    """Strategy → paired Δ reference NLL vs edge-only on `dataset` (edge-only itself: 0). The planner counts a
+    candidate's loss as the upper end of this 95 % interval: within the budget means within it with 95 %
+    confidence, not by a lucky point estimate on a few requests."""
     here = [r for r in rows if r["dataset"] == dataset]
     out = {"edge-only": {"delta_mean": 0.0, "ci95_lo": 0.0, "ci95_hi": 0.0, "n": 0}}
     for p in paired_to_edge(here, "ref_nll", seed=seed):
@@ -103,7 +109,8 @@ def build_candidates(runner: Runner, system: str, losses: dict[str, dict], split
         if st.base not in ("edgeprompt", "ce-lslm", "ce-lslm-fuse"):
             continue
         kv, _ = runner.export(name, system)
-        c = candidate_from_export(str(kv), st.base, loss["delta_mean"])
+        c = candidate_from_export(str(kv), st.base, loss["ci95_hi"] if loss["ci95_hi"] is not None
+                                  else loss["delta_mean"])
         if st.base == "edgeprompt":
             out += [replace(c, start_layer=m, layer_bytes={i: b for i, b in c.layer_bytes.items() if i >= m})
                     for m in splits if m < runner.edge.num_layers]
@@ -140,15 +147,16 @@ def run_plan(cfg: PlanConfig, progress=None) -> dict:
     requests = load_requests(cfg.dataset, runner.edge.tokenizer, ecfg.limit, ecfg.seed,
                              getattr(ecfg, f"{cfg.dataset}_source"), ecfg.max_system_tokens, ecfg.min_system_tokens,
                              ecfg.max_user_tokens, ecfg.mmlu_subjects, ecfg.sharegpt_offset, ecfg.xsum_records)
-    if cfg.request >= len(requests):
+    if cfg.request is not None and cfg.request >= len(requests):
         raise EdgeKVError(f"request {cfg.request} is beyond the run's {len(requests)} {cfg.dataset} requests")
-    req = requests[cfg.request]
+    longest = max(range(len(requests)), key=lambda k: len(runner.edge.tokenizer(requests[k].system)["input_ids"]))
+    req = requests[longest if cfg.request is None else cfg.request]
     rows = read_results(qpb / "results.jsonl")
     losses = quality_losses(rows, cfg.dataset, ecfg.seed)
-    fixed = [s for s in ("edgeprompt", "ce-lslm", "ce-lslm-fuse") if s in ecfg.strategies]
+    fixed = [s for s in cfg.sweep if s in ecfg.strategies]
     candidates = build_candidates(runner, req.system, losses, cfg.splits)
     cand_names = _candidate_names(candidates, list(losses))
-    profile_exports = [(s, str(runner.export(s, req.system)[0])) for s in fixed]
+    profile_exports = [(parse_strategy(s).base, str(runner.export(s, req.system)[0])) for s in fixed]
     profile = measure_profile(runner.edge, runner.cloud, req.system, req.user, profile_exports,
                               out / "work" / "kvcache", cfg.reps)
     for c in candidates:  # a codec the profile did not load decodes about as fast as the closest one measured
@@ -245,7 +253,7 @@ def _sweep(runner: Runner, cfg: PlanConfig, profile: Profile, req, user, fixed: 
         link = Link(mbps, cfg.sweep_latency_ms)
         for s in strategies:
             c = cands[s] = Candidate(s) if s in ("edge-only", "cloud-only") else candidate_from_export(
-                str(runner.export(s, req.system)[0]), s)
+                str(runner.export(s, req.system)[0]), parse_strategy(s).base)
             times = _measure(runner, c, s, req, user, link, out, cfg.reps)
             rows.append({"strategy": s, "mbps": mbps, "latency_ms": cfg.sweep_latency_ms, "mb": c.bytes / 2**20,
                          "measured_s": statistics.median(times), "predicted_s": predict(c, profile, link),
