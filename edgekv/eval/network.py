@@ -48,6 +48,7 @@ class Candidate:
     quant: str = "fp16"
     layer_bytes: dict[int, int] = field(default_factory=dict)  # shipped layer → bytes of its file
     quality_loss: float = 0.0  # nats/token vs the edge's exact answer (edge-only); ≤ 0 is no loss
+    source: str = ""  # the eval strategy whose export this is (e.g. edgeprompt@0/int8); "" = `strategy`
 
     @property
     def label(self) -> str:
@@ -171,14 +172,14 @@ def measure_profile(edge, cloud, system: str, user_text: str, exports: list[tupl
     return p
 
 
-def candidate_from_export(kv: str, strategy: str, quality_loss: float = 0.0) -> Candidate:
+def candidate_from_export(kv: str, strategy: str, quality_loss: float = 0.0, source: str = "") -> Candidate:
     """A Candidate describing an existing export (its split, ThinK ratio, codec and per-layer bytes)."""
     from edgekv.kv.export import KVExport
 
     export = KVExport(kv)
     m = export.manifest
     sizes = {i: len(export.layer_bytes(i)) for i in export.layer_indices}
-    return Candidate(strategy, min(sizes), m["prune"]["ratio"], m["quant"], sizes, quality_loss)
+    return Candidate(strategy, min(sizes), m["prune"]["ratio"], m["quant"], sizes, quality_loss, source)
 
 
 def profile_dict(p: Profile) -> dict:

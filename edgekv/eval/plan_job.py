@@ -11,7 +11,6 @@ the link emulator and reports measured against predicted, and sweeps the fixed s
 
 from __future__ import annotations
 
-import csv
 import json
 import shutil
 import statistics
@@ -35,6 +34,7 @@ from edgekv.eval.network import (
     predict,
     profile_dict,
 )
+from edgekv.eval.quality_per_byte import qpb_table, quality_per_byte
 from edgekv.eval.report import paired_to_edge
 from edgekv.kv.compress_job import run_compress
 from edgekv.plots import save_figure
@@ -110,7 +110,7 @@ def build_candidates(runner: Runner, system: str, losses: dict[str, dict], split
             continue
         kv, _ = runner.export(name, system)
         c = candidate_from_export(str(kv), st.base, loss["ci95_hi"] if loss["ci95_hi"] is not None
-                                  else loss["delta_mean"])
+                                  else loss["delta_mean"], source=name)
         if st.base == "edgeprompt":
             out += [replace(c, start_layer=m, layer_bytes={i: b for i, b in c.layer_bytes.items() if i >= m})
                     for m in splits if m < runner.edge.num_layers]
@@ -119,8 +119,9 @@ def build_candidates(runner: Runner, system: str, losses: dict[str, dict], split
     return out
 
 
-def export_for(runner: Runner, c: Candidate, name: str, system: str) -> str:
+def export_for(runner: Runner, c: Candidate, system: str) -> str:
     """An export of the system prompt for a candidate (edgeprompt at its split made on demand)."""
+    name = c.source or c.strategy
     kv, _ = runner.export(name, system)
     if c.strategy != "edgeprompt" or c.start_layer == 0:
         return str(kv)
@@ -155,7 +156,6 @@ def run_plan(cfg: PlanConfig, progress=None) -> dict:
     losses = quality_losses(rows, cfg.dataset, ecfg.seed)
     fixed = [s for s in cfg.sweep if s in ecfg.strategies]
     candidates = build_candidates(runner, req.system, losses, cfg.splits)
-    cand_names = _candidate_names(candidates, list(losses))
     profile_exports = [(parse_strategy(s).base, str(runner.export(s, req.system)[0])) for s in fixed]
     profile = measure_profile(runner.edge, runner.cloud, req.system, req.user, profile_exports,
                               out / "work" / "kvcache", cfg.reps)
@@ -173,8 +173,7 @@ def run_plan(cfg: PlanConfig, progress=None) -> dict:
                 "quant": best.quant, "mb": best.bytes / 2**20, "quality_loss": best.quality_loss,
                 "predicted_s": predict(best, profile, link), "measured_s": None}
         if cfg.measure:
-            pick["measured_s"] = statistics.median(_measure(runner, best, cand_names[id(best)], req, user, link,
-                                                            out, cfg.reps))
+            pick["measured_s"] = statistics.median(_measure(runner, best, req, user, link, out, cfg.reps))
             pick["error"] = pick["measured_s"] / pick["predicted_s"] - 1
         picks.append(pick)
         advance()
@@ -184,12 +183,9 @@ def run_plan(cfg: PlanConfig, progress=None) -> dict:
                              for c in candidates], "picks": picks, "sweep": sweep}
     write_text_atomic(out / "plan.json", json.dumps(result, indent=1))
     md = plan_markdown(result)
-    if (qpb / "quality_per_byte.csv").exists():  # the trade-off the planner chose from, beside its picks
-        from edgekv.eval.quality_per_byte import qpb_table
-
+    table = quality_per_byte(rows, ecfg.seed)  # the trade-off the planner chose from, beside its picks
+    if table and (qpb / "quality_per_byte.png").exists():
         shutil.copyfile(qpb / "quality_per_byte.png", out / "quality_per_byte.png")
-        with (qpb / "quality_per_byte.csv").open(encoding="utf-8") as f:
-            table = [_typed(r) for r in csv.DictReader(f)]
         md += (f"\n## Quality per byte ({cfg.qpb})\n\n" + qpb_table(table) +
                "\n\n![quality per byte](quality_per_byte.png)\n")
     write_text_atomic(out / "plan.md", md)
@@ -200,41 +196,8 @@ def run_plan(cfg: PlanConfig, progress=None) -> dict:
     return result
 
 
-def _typed(row: dict) -> dict:
-    """A quality_per_byte.csv row with its numbers and flags typed again."""
-    out = {}
-    for k, v in row.items():
-        if v in ("", None):
-            out[k] = None
-        elif v in ("True", "False"):
-            out[k] = v == "True"
-        else:
-            try:
-                out[k] = float(v) if k != "n" else int(v)
-            except ValueError:
-                out[k] = v
-    return out
-
-
-def _candidate_names(candidates: list[Candidate], names: list[str]) -> dict[int, str]:
-    """Candidate → the eval strategy name whose export it is."""
-    out = {}
-    for c in candidates:
-        if c.strategy == "edge-only":
-            out[id(c)] = "edge-only"
-            continue
-        for name in names:
-            st = parse_strategy(name)
-            if st.base == c.strategy and (st.prune_ratio is None or (st.prune_ratio == c.prune_ratio
-                                                                      and st.quant == c.quant)):
-                out[id(c)] = name
-                if st.prune_ratio is not None:
-                    break
-    return out
-
-
-def _measure(runner: Runner, c: Candidate, name: str, req, user, link: Link, out: Path, reps: int) -> list[float]:
-    kv = None if c.strategy in ("edge-only", "cloud-only") else export_for(runner, c, name, req.system)
+def _measure(runner: Runner, c: Candidate, req, user, link: Link, out: Path, reps: int) -> list[float]:
+    kv = None if c.strategy in ("edge-only", "cloud-only") else export_for(runner, c, req.system)
     model = runner.cloud if c.strategy == "cloud-only" else runner.edge
     if c.strategy == "cloud-only":
         user = torch.tensor(model.tokenizer(req.user, add_special_tokens=False)["input_ids"])
@@ -253,8 +216,8 @@ def _sweep(runner: Runner, cfg: PlanConfig, profile: Profile, req, user, fixed: 
         link = Link(mbps, cfg.sweep_latency_ms)
         for s in strategies:
             c = cands[s] = Candidate(s) if s in ("edge-only", "cloud-only") else candidate_from_export(
-                str(runner.export(s, req.system)[0]), parse_strategy(s).base)
-            times = _measure(runner, c, s, req, user, link, out, cfg.reps)
+                str(runner.export(s, req.system)[0]), parse_strategy(s).base, source=s)
+            times = _measure(runner, c, req, user, link, out, cfg.reps)
             rows.append({"strategy": s, "mbps": mbps, "latency_ms": cfg.sweep_latency_ms, "mb": c.bytes / 2**20,
                          "measured_s": statistics.median(times), "predicted_s": predict(c, profile, link),
                          "samples": times})

@@ -9,16 +9,11 @@ from pathlib import Path
 
 from edgekv.eval.eval_job import parse_strategy
 from edgekv.eval.network import pareto
-from edgekv.eval.report import paired_to_edge
+from edgekv.eval.report import _mean, paired_to_edge
 from edgekv.plots import save_figure
 
 # The compass goal of issue 14: ≥ 8× fewer bytes than the cloud's fp16 KV at ≤ 1 BERTScore point and ≤ 0.02 nats.
 GOAL = {"ratio": 8.0, "bertscore": 0.01, "nll": 0.02}
-
-
-def _mean(values: list) -> float | None:
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None
 
 
 def quality_per_byte(rows: list[dict], seed: int = 0) -> list[dict]:

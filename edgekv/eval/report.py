@@ -170,9 +170,9 @@ def _csv(rows: list[dict], columns: list[str] | None = None) -> str:
 
 
 def write_report(out: Path, rows: list[dict], config: dict, scorer: str | None, models: dict,
-                 load: list[dict] | None = None, extra_md: list[str] | None = None) -> dict:
-    """summary.csv, paired.csv, report.md, ttft.png, config.json (+ load.csv, load.png) written atomically;
-    returns the summary. `extra_md`: sections appended to report.md (network sweep, quality per byte)."""
+                 load: list[dict] | None = None) -> dict:
+    """summary.csv, paired.csv, report.md, ttft.png, config.json (+ load.csv, load.png, quality per byte, and
+    plan.md if `edgekv plan` wrote one here) written atomically; returns the summary."""
     seed = int(config.get("seed", 0))
     summary = summarize(rows, seed)
     write_text_atomic(out / "summary.csv", _csv(summary, COLUMNS))
@@ -225,7 +225,6 @@ def write_report(out: Path, rows: list[dict], config: dict, scorer: str | None, 
                    f"{GOAL['nll']} nats and ≤ {GOAL['bertscore'] * 100:g} BERTScore point lost: `met` when both "
                    "95 % intervals stay within it, `point` when only the point estimates do.", "",
                    qpb_table(qpb), "", "![quality per byte](quality_per_byte.png)", ""]
-    md += extra_md or []
     if (out / "plan.md").exists():  # `edgekv plan --out` this directory: the planner and the bandwidth sweep
         md += [(out / "plan.md").read_text(encoding="utf-8")]
     write_text_atomic(out / "report.md", "\n".join(md))
