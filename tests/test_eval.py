@@ -106,6 +106,28 @@ def test_every_strategy_on_every_dataset(evaluated):
             float(s["ttft_s_median_hi"])
 
 
+def test_mmlu_ref_nll_scores_the_gold_letter(evaluated, tiny_models, data):
+    """MMLU's ref. NLL is the gold letter's after `Answer:`, not the option text's (which scores format)."""
+    import torch
+
+    from edgekv.models.loading import load_model
+    from edgekv.serve.session import EdgeSession
+
+    out, _ = evaluated
+    edge = load_model(tiny_models["edge"], "float32")
+    got = {r["id"]: r["ref_nll"] for r in read_results(out / "results.jsonl")
+           if r["dataset"] == "mmlu" and r["strategy"] == "edge-only"}
+    requests = load_requests("mmlu", edge.tokenizer, 2, 0, data["mmlu"], 300, 8, 192, 1, 0)
+    assert {r.id for r in requests} == set(got)
+    for req in requests:
+        assert req.scored == "A" and req.reference.startswith("A. ")
+        session = EdgeSession(edge, None, system_prompt=req.system)
+        user = session.encode_user(req.user)
+        ids = lambda text: torch.tensor(edge.tokenizer(" " + text, add_special_tokens=False)["input_ids"])  # noqa
+        assert got[req.id] == pytest.approx(session.continuation_nll(user, ids("A")), abs=1e-5)
+        assert abs(got[req.id] - session.continuation_nll(user, ids(req.reference))) > 1e-3
+
+
 def test_resumption_runs_only_what_is_missing(evaluated, tiny_models, data, align_dir):
     out, _ = evaluated
     path = out / "results.jsonl"

@@ -37,6 +37,7 @@ class Request:
     reference: str
     choices: list[str] = field(default_factory=list)
     answer: int | None = None  # MMLU: index of the right choice
+    scored: str | None = None  # what ref. NLL scores when not the reference (MMLU: the gold letter)
 
 
 def register(name: str):
@@ -116,8 +117,12 @@ def mmlu(source: str | None = None) -> list[Request]:
             system = f"The following are multiple choice questions (with answers) about {name}.\n\n" + "".join(
                 f"{_mmlu_question(s)} {LETTERS[int(s['answer'])]}\n\n" for s in shots.get(subject, []))
             answer = int(r["answer"])
+            # ref. NLL scores the gold letter as the few-shot format continues ("Answer: D"); scoring the option
+            # text too would measure the answer's format (a letter, or a letter and the copied option), not
+            # whether the model knows it
             out.append(Request(f"{subject}-{n}", "mmlu", system, _mmlu_question(r),
-                               f"{LETTERS[answer]}. {r['choices'][answer]}", list(r["choices"]), answer))
+                               f"{LETTERS[answer]}. {r['choices'][answer]}", list(r["choices"]), answer,
+                               scored=LETTERS[answer]))
         except (KeyError, ValueError, IndexError, TypeError) as exc:
             raise EdgeKVError(f"mmlu: row {n} lacks subject/question/choices/answer ({exc})") from exc
     return out

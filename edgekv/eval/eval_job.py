@@ -338,7 +338,8 @@ class Runner:
             answer = answer.split("\n")[0].strip()
         if base == "cloud-only":
             bytes_down = len(done.text.encode())
-        ref_ids = torch.tensor(model.tokenizer(" " + req.reference, add_special_tokens=False)["input_ids"]
+        scored = req.scored or req.reference
+        ref_ids = torch.tensor(model.tokenizer(" " + scored, add_special_tokens=False)["input_ids"]
                                [: self.cfg.reference_tokens])
         row = {
             "dataset": req.dataset, "strategy": strategy, "id": req.id, "index": index, "answer": answer,
@@ -352,7 +353,7 @@ class Runner:
             "base_memory_mb": _model_bytes(model) / 2**20, "inference_memory_mb": done.kv_bytes / 2**20,
             "rss_mb": _rss_mb(), "kv_source": session.source,
             "layer_sources": session.describe()["layer_sources"],
-            "ref_nll": session.continuation_nll(user, ref_ids) if ref_ids.numel() > 1 else None,
+            "ref_nll": session.continuation_nll(user, ref_ids) if ref_ids.numel() else None,
             "rouge_l": rouge_l(answer, req.reference),
         }
         if req.answer is not None:

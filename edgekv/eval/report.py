@@ -190,7 +190,10 @@ def write_report(out: Path, rows: list[dict], config: dict, scorer: str | None, 
           "the export's pipelined load and the shallow layers (edgeprompt, ce-lslm), the edge's own full system "
           "prefill overlapping the load (ce-lslm-fuse); the cloud's own KV computation is "
           "`cloud_s` in summary.csv (it happens ahead of the request). Memory: base = model weights; inference = "
-          "the request's KV cache at the end of generation.", "", "![TTFT](ttft.png)", ""]
+          "the request's KV cache at the end of generation. ref. NLL: mean NLL of the reference's first "
+          f"{config.get('reference_tokens')} tokens after the user prompt; on MMLU, of the gold answer letter after "
+          "`Answer:` (the few-shot format), since the option text would score format, not knowledge.", "",
+          "![TTFT](ttft.png)", ""]
     paired = [p for key, _ in PAIRED_METRICS for p in paired_to_edge(rows, key, seed=seed)]
     if paired:
         write_text_atomic(out / "paired.csv", _csv(paired))
