@@ -3,6 +3,7 @@
     python bench/fidelity.py [--texts 32] [--prefix 256] [--cont 64] [--splits 0,8,12,16,20] [--sink 1]
                              [--similarity runs/align-default/similarity.json] [--out runs/fidelity]
                              [--fusers fuse=DIR,self-fuse=DIR] [--replace hidden]
+                             [--strategy last-aligned] [--also-mapping similarity]
 
 Translators are fitted on ShareGPT calibration conversations (file order from 0); held-out texts are ShareGPT
 conversations from record --heldout-offset on and XSum documents (data/xsum), reported separately. Prints one
@@ -10,7 +11,8 @@ table per source: rows = conditions, columns = split layer m, cells = mean NLL (
 over texts, then the same for top-1 agreement with the edge's full prefill and with the cloud. With --fusers it
 also scores each fuser and `fuse-closed` (the fused path, every gate closed), and summary.json becomes, per source
 and condition, {n, delta_mean, delta_ci95} of the paired NLL difference to the edge's own prefill (95 % t-interval;
-the per-condition details go to details.json).
+the per-condition details go to details.json). --also-mapping fits the translators under a second layer mapping
+too (`replace@<mapping>` in summary.json): the mapping comparison on the same texts.
 """
 
 from __future__ import annotations
@@ -81,6 +83,9 @@ def main() -> None:
     ap.add_argument("--heldout-offset", type=int, default=2000)
     ap.add_argument("--similarity", default=None)
     ap.add_argument("--strategy", default=None, help="uniform or last-aligned mapping (without --similarity)")
+    ap.add_argument("--also-mapping", default=None,
+                    help="fit the translators under this mapping too (uniform|last-aligned|similarity; similarity "
+                         "reads --similarity): conditions '<translator>@<mapping>', on the same texts and cloud pass")
     ap.add_argument("--out", default="runs/fidelity")
     ap.add_argument("--trained", default=None,
                     help="checkpoints of bench/train_translator.py to evaluate too: PATH or NAME=PATH,NAME=PATH")
@@ -103,6 +108,12 @@ def main() -> None:
         c_cal, e_cal = capture(cloud.model, seqs, features), capture(edge.model, seqs, features)
     translators = {name: TRANSLATORS[name]().fit(c_cal, e_cal, pairs, edge.model)
                    for name in args.translators.split(",")}
+    if args.also_mapping:  # the mapping comparison shares the calibration, the held-out texts and the cloud pass
+        if args.also_mapping == "similarity" and not args.similarity:
+            raise SystemExit("--also-mapping similarity needs --similarity (align's similarity.json)")
+        alt_pairs, alt = full_depth_pairs(args.similarity, cloud.num_layers, edge.num_layers, args.also_mapping)
+        translators.update({f"{name}@{alt}": TRANSLATORS[name]().fit(c_cal, e_cal, alt_pairs, edge.model)
+                            for name in args.translators.split(",")})
     del c_cal, e_cal
     for item in (args.trained.split(",") if args.trained else []):
         name, _, path = item.rpartition("=")
@@ -145,6 +156,8 @@ def main() -> None:
         m = min(min(f.info) for f in fusers.values())
         names = {("edge", None): "edge", ("cloud", None): "cloud", ("no-prefix", None): "no-prefix",
                  (args.replace, m): "replace", (f"noise:{args.replace}", m): "noise", ("fuse-closed", m): "fuse-closed",
+                 **({(f"{args.replace}@{alt}", m): f"replace@{alt}", (f"noise:{args.replace}@{alt}", m): f"noise@{alt}"}
+                    if args.also_mapping else {}),
                  **{(name, min(f.info)): name for name, f in fusers.items()}}
         ci = delta_ci95(rows, names)
         if args.primary:  # the default fuser is also reported as `fuse`, its self-fusion control as `self-fuse`
