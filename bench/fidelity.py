@@ -83,7 +83,7 @@ def main() -> None:
     ap.add_argument("--heldout-offset", type=int, default=2000)
     ap.add_argument("--similarity", default=None)
     ap.add_argument("--strategy", default=None, help="uniform or last-aligned mapping (without --similarity)")
-    ap.add_argument("--also-mapping", default=None,
+    ap.add_argument("--also-mapping", default=None, choices=("uniform", "last-aligned", "similarity"),
                     help="fit the translators under this mapping too (uniform|last-aligned|similarity; similarity "
                          "reads --similarity): conditions '<translator>@<mapping>', on the same texts and cloud pass")
     ap.add_argument("--out", default="runs/fidelity")
@@ -94,6 +94,8 @@ def main() -> None:
     ap.add_argument("--replace", default="hidden", help="the translator reported as `replace` beside the fusers")
     ap.add_argument("--primary", default=None, help="the fuser also reported as `fuse` (and self-NAME as `self-fuse`)")
     args = ap.parse_args()
+    if args.also_mapping == "similarity" and not args.similarity:  # before minutes of model loading and capture
+        ap.error("--also-mapping similarity needs --similarity (align's similarity.json)")
     splits = [int(m) for m in args.splits.split(",")]
     sinks = [int(x) for x in args.sink.split(",")]
     torch.manual_seed(0)
@@ -106,14 +108,13 @@ def main() -> None:
     features = sorted({f for name in args.translators.split(",") for f in TRANSLATORS[name].features})
     with torch.no_grad():
         c_cal, e_cal = capture(cloud.model, seqs, features), capture(edge.model, seqs, features)
-    translators = {name: TRANSLATORS[name]().fit(c_cal, e_cal, pairs, edge.model)
-                   for name in args.translators.split(",")}
-    if args.also_mapping:  # the mapping comparison shares the calibration, the held-out texts and the cloud pass
-        if args.also_mapping == "similarity" and not args.similarity:
-            raise SystemExit("--also-mapping similarity needs --similarity (align's similarity.json)")
+    # the mapping comparison (--also-mapping) shares the calibration, the held-out texts and the cloud pass
+    mappings = {"": pairs}
+    if args.also_mapping:
         alt_pairs, alt = full_depth_pairs(args.similarity, cloud.num_layers, edge.num_layers, args.also_mapping)
-        translators.update({f"{name}@{alt}": TRANSLATORS[name]().fit(c_cal, e_cal, alt_pairs, edge.model)
-                            for name in args.translators.split(",")})
+        mappings[f"@{alt}"] = alt_pairs
+    translators = {name + tag: TRANSLATORS[name]().fit(c_cal, e_cal, layer_pairs, edge.model)
+                   for tag, layer_pairs in mappings.items() for name in args.translators.split(",")}
     del c_cal, e_cal
     for item in (args.trained.split(",") if args.trained else []):
         name, _, path = item.rpartition("=")
