@@ -93,6 +93,9 @@ def main() -> None:
                     help="fusers of `edgekv train-fuser`: NAME=DIR,... (e.g. fuse=runs/fuser-bias-m12,self-fuse=...)")
     ap.add_argument("--replace", default="hidden", help="the translator reported as `replace` beside the fusers")
     ap.add_argument("--primary", default=None, help="the fuser also reported as `fuse` (and self-NAME as `self-fuse`)")
+    ap.add_argument("--mismatched", action="store_true",
+                    help="also feed each cloud fuser the cloud KV of the previous text of the same source "
+                         "('<fuser>@mismatched'; the first text of each source has none)")
     args = ap.parse_args()
     if args.also_mapping == "similarity" and not args.similarity:  # before minutes of model loading and capture
         ap.error("--also-mapping similarity needs --similarity (align's similarity.json)")
@@ -141,8 +144,12 @@ def main() -> None:
     rows = []
     with Progress() as progress:
         task = progress.add_task("held-out texts", total=len(heldout))
+        previous: dict = {}  # the last text's cloud activations, per source (the mismatched control)
         for n, text in enumerate(heldout):
-            rows += evaluate_text(edge, cloud, text, translators, splits, sinks, seed=n, text_id=n, fusers=fusers)
+            keep: dict = {}
+            rows += evaluate_text(edge, cloud, text, translators, splits, sinks, seed=n, text_id=n, fusers=fusers,
+                                  mismatched=previous.get(text.source) if args.mismatched else None, keep=keep)
+            previous[text.source] = keep["cloud_acts"]
             progress.advance(task)
     summary = summarize(rows) + [dict(d, nll=d["delta_nll"], nll_se=d["delta_nll_se"],
                                       condition="Δ " + d["condition"]) for d in paired_delta(rows)]
@@ -159,11 +166,14 @@ def main() -> None:
                  (args.replace, m): "replace", (f"noise:{args.replace}", m): "noise", ("fuse-closed", m): "fuse-closed",
                  **({(f"{args.replace}@{alt}", m): f"replace@{alt}", (f"noise:{args.replace}@{alt}", m): f"noise@{alt}"}
                     if args.also_mapping else {}),
-                 **{(name, min(f.info)): name for name, f in fusers.items()}}
+                 **{(name, min(f.info)): name for name, f in fusers.items()},
+                 **{(f"{name}@mismatched", min(f.info)): f"{name}@mismatched" for name, f in fusers.items()
+                    if args.mismatched and not f.self_fuse}}
         ci = delta_ci95(rows, names)
         if args.primary:  # the default fuser is also reported as `fuse`, its self-fusion control as `self-fuse`
             for conditions in ci.values():
-                for alias, name in (("fuse", args.primary), ("self-fuse", f"self-{args.primary}")):
+                for alias, name in (("fuse", args.primary), ("self-fuse", f"self-{args.primary}"),
+                                    ("fuse@mismatched", f"{args.primary}@mismatched")):
                     if name in conditions:
                         conditions[alias] = dict(conditions[name], of=name)
         (out / "summary.json").write_text(json.dumps(ci, indent=1))

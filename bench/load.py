@@ -28,6 +28,7 @@ import psutil
 from edgekv.atomic import write_text_atomic
 from edgekv.kv.compress_job import CompressConfig, run_compress
 from edgekv.models.loading import load_model
+from edgekv.models.prepack import prepack_linears
 from edgekv.serve.engine import limit_onednn_cache
 from edgekv.serve.http_server import EdgeServer, percentile
 from edgekv.serve.session import EdgeSession
@@ -105,6 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--warmup", type=float, default=30.0, help="seconds of the same load before the RSS baseline")
     ap.add_argument("--abuse", type=float, default=0.25, help="share of requests that are bad on purpose")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--no-prepack", action="store_true", help="keep nn.Linear (serve-edge prepacks by default)")
     args = ap.parse_args(argv)
     limit_onednn_cache()  # as serve-edge does, before this process's first matmul
     kv = args.kv
@@ -112,7 +114,10 @@ def main(argv: list[str] | None = None) -> dict:
         kv = "runs/bench-load/kv"
         run_compress(CompressConfig(out=kv, cloud="default-edge", edge="default-edge", start_layer=12,
                                     system_prompt=f"@{ROOT / 'data/prompts/system_prompt.txt'}", quant="bf16"))
-    session = EdgeSession(load_model("default-edge"), kv, cache_dir="runs/bench-load/cache")
+    edge = load_model("default-edge")
+    if not args.no_prepack:
+        prepack_linears(edge.model)  # as serve-edge does
+    session = EdgeSession(edge, kv, cache_dir="runs/bench-load/cache")
     server = EdgeServer(session, "127.0.0.1", 0, api_key=KEY, max_batch=64, max_queue=256)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     port = server.server_address[1]
@@ -147,6 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     bad = [r for r in rows if not r["kind"].startswith("valid")]
     lat = [r["latency_s"] for r in valid if r["ok"]]
     out = {"clients": args.clients, "seconds": wall, "max_tokens": args.max_tokens, "abuse": args.abuse,
+           "prepacked": not args.no_prepack,
            "valid": len(valid), "valid_failed": sum(not r["ok"] for r in valid),
            "bad": {k: {"n": sum(r["kind"] == k for r in bad), "as_expected": sum(r["kind"] == k and r["ok"]
                                                                                  for r in bad)}

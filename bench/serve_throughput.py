@@ -26,6 +26,7 @@ from transformers import GenerationConfig
 
 from edgekv.atomic import write_text_atomic
 from edgekv.models.loading import load_model
+from edgekv.models.prepack import prepack_linears
 from edgekv.serve.engine import Engine, GenRequest
 from edgekv.serve.http_server import percentile
 from edgekv.serve.session import EdgeSession, SamplingParams
@@ -116,9 +117,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--skip-transformers-above", type=int, default=64,
                     help="run transformers' generate_batch only up to this many clients (it prefills every prompt)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--no-prepack", action="store_true", help="keep nn.Linear (serve-edge prepacks by default)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     edge = load_model(args.edge, args.dtype)
+    if not args.no_prepack:  # as serve-edge does; transformers' generate_batch runs on the same prepacked model
+        prepack_linears(edge.model)
     text = " ".join(sharegpt_texts(40).texts)
     system = torch.tensor(edge.tokenizer(text)["input_ids"][:args.system])
     session = EdgeSession(edge, None, edge.tokenizer.decode(system), cache_dir=None)
@@ -144,7 +148,8 @@ def main(argv: list[str] | None = None) -> dict:
               + f"; TTFT p50 engine {e['ttft_p50_s'] * 1e3:.0f} ms vs one-at-a-time {o['ttft_p50_s'] * 1e3:.0f} ms;"
               f" latency p50/p99 engine {e['latency_p50_s']:.2f}/{e['latency_p99_s']:.2f} s; "
               f"RSS/client engine {e['rss_per_client_mb']:.1f} MB", flush=True)
-    out = {"edge": args.edge, "dtype": args.dtype, "threads": torch.get_num_threads(), "rows": rows,
+    out = {"edge": args.edge, "dtype": args.dtype, "threads": torch.get_num_threads(), "prepacked": not args.no_prepack,
+           "rows": rows,
            "median_ratio_over_one_at_a_time": statistics.median(r["engine_over_one_at_a_time"] for r in rows)}
     if args.json:
         write_text_atomic(args.json, json.dumps(out, indent=1))

@@ -29,6 +29,7 @@ from bench.compress import xsum_prompt
 from edgekv.eval.network import layer_times
 from edgekv.kv.compress_job import CompressConfig, run_compress
 from edgekv.models.loading import load_model
+from edgekv.models.prepack import PackedLinear, prepack_linears
 from edgekv.models.structure import decoder_layers
 from edgekv.serve.engine import Engine, GenRequest
 from edgekv.serve.pipeline import Link, overlap_efficiency, predict_ttft
@@ -41,7 +42,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def flops(model, q_tokens: int, kv_tokens: int, logits: int) -> float:
     """Forward FLOPs: 2·params per token through the blocks, causal attention scores/values, the LM head."""
     cfg = model.config
-    blocks = sum(p.numel() for p in decoder_layers(model).parameters())
+    layers = decoder_layers(model)
+    blocks = sum(p.numel() for p in layers.parameters()) + sum(  # prepacked weights are plain attributes
+        m.in_features * m.out_features for m in layers.modules() if isinstance(m, PackedLinear))
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     # query t (0-based within the q block) attends to kv_tokens − q_tokens + t + 1 keys
     attended = q_tokens * (kv_tokens - q_tokens) + q_tokens * (q_tokens + 1) / 2
@@ -73,6 +76,7 @@ def main() -> None:
     ap.add_argument("--het-kv", default="runs/kv-ttft-het", help="heterogeneous export (made if missing)")
     ap.add_argument("--work", default="runs/bench-ttft")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-prepack", action="store_true", help="keep nn.Linear (serve-edge prepacks by default)")
     args = ap.parse_args()
     torch.manual_seed(0)
     work = Path(args.work)
@@ -80,6 +84,7 @@ def main() -> None:
 
     edge = load_model("default-edge", "bfloat16")
     model, tok = edge.model, edge.tokenizer
+    packed = 0 if args.no_prepack else prepack_linears(model)  # every condition runs on the same model
     sys_ids = xsum_prompt(tok, args.system)
     system = tok.decode(sys_ids)
     sys_ids = torch.tensor(tok(system)["input_ids"])  # what a session will use: the text re-encoded
@@ -91,7 +96,8 @@ def main() -> None:
         if len(users) == 3:
             break
     S, U = sys_ids.numel(), args.user
-    print(f"S = {S} system tokens (XSum), U = {U} user tokens (ShareGPT); bf16; {torch.get_num_threads()} threads")
+    print(f"S = {S} system tokens (XSum), U = {U} user tokens (ShareGPT); bf16; {torch.get_num_threads()} threads; "
+          f"{packed} linear layers prepacked")
 
     same_kv = work / "kv-same"
     run_compress(CompressConfig(out=str(same_kv), cloud="default-edge", edge="default-edge", system_prompt=system,
@@ -226,7 +232,8 @@ def main() -> None:
     print(f"\nbf16 same-model splice vs full prefill: first-step max |Δlogit| {', '.join(f'{d:.3f}' for d in diffs)}; "
           f"greedy tokens identical for the first {', '.join(map(str, agree))} of 32")
     if args.json:
-        Path(args.json).write_text(json.dumps({"S": S, "U": U, "reps": args.reps, "samples": samples, "median": med,
+        Path(args.json).write_text(json.dumps({"S": S, "U": U, "reps": args.reps, "prepacked_linears": packed,
+                                               "samples": samples, "median": med,
                                                "flop_bound": bound, "cold": {
                                                    "bandwidth_mbps": bandwidth, "measured": measured,
                                                    "predicted": predicted, "serial": serial, "bound": bounds,

@@ -177,6 +177,20 @@ def test_fidelity_harness_runs_fusers_and_closed_equals_edge(calib_file, tmp_pat
     assert by["fuse-closed"]["nll"] == pytest.approx(by["edge"]["nll"], abs=1e-5)
     assert abs(by["fuse"]["nll"] - by["edge"]["nll"]) > 1e-4
     assert self_fuser.self_fuse and not fuser.self_fuse
+    # the mismatched control: the cloud fuser fed another text's cloud KV; fed this text's own, it is the fuser
+    keep: dict = {}
+    evaluate_text(edge, cloud, texts[0], {}, [1], 1, fusers={"fuse": fuser}, keep=keep)
+    assert texts[1].prefix.numel() == texts[0].prefix.numel()
+    same: dict = {}
+    evaluate_text(edge, cloud, texts[1], {}, [1], 1, fusers={"fuse": fuser}, keep=same)
+    rows = evaluate_text(edge, cloud, texts[1], {}, [1], 1, fusers={"fuse": fuser, "self-fuse": self_fuser},
+                         mismatched=keep["cloud_acts"])
+    by = {r["condition"]: r for r in rows}
+    assert "fuse@mismatched" in by and "self-fuse@mismatched" not in by
+    assert abs(by["fuse@mismatched"]["nll"] - by["fuse"]["nll"]) > 1e-6
+    control = {r["condition"]: r for r in evaluate_text(edge, cloud, texts[1], {}, [1], 1, fusers={"fuse": fuser},
+                                                        mismatched=same["cloud_acts"])}
+    assert control["fuse@mismatched"]["nll"] == pytest.approx(control["fuse"]["nll"], abs=1e-6)
 
 
 def _fuse_export(tiny_models, calib_file, tmp_path, bias: float, name: str):

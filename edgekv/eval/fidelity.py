@@ -10,7 +10,10 @@ and the edge is scored on the continuation. Controls, on the same tokens:
 - `no-prefix`: the edge on the continuation alone;
 - fusers (`fusers={name: Fuser}`): the edge's own prefix KV with the fuser's cloud KV joined at its open layers
   (a self-fusion fuser takes its features from the edge itself), and `fuse-closed`: the same path with every
-  gate closed, which must equal `edge`.
+  gate closed, which must equal `edge`;
+- `<fuser>@mismatched` (given `mismatched`, the cloud activations of another text with as many prefix tokens):
+  a cloud fuser fed the cloud's KV of the wrong document. Equal to the fuser → it does not read the cloud's
+  content (the gain is the adapter's); worse → it does.
 Every condition predicts the continuation's tokens 1..C−1 (token 0 has no predictor without a prefix).
 """
 
@@ -63,9 +66,11 @@ def _fused(edge, base, fuser, acts, text: HeldOutText, layers=None) -> torch.Ten
 
 @torch.no_grad()
 def evaluate_text(edge, cloud, text: HeldOutText, translators: dict, splits: list[int], sink: int | list[int],
-                  seed: int = 0, text_id: int = 0, fusers: dict | None = None) -> list[dict]:
+                  seed: int = 0, text_id: int = 0, fusers: dict | None = None, mismatched: dict | None = None,
+                  keep: dict | None = None) -> list[dict]:
     """All conditions for one text → rows {condition, m, nll, top1_edge, top1_cloud}. Several `sink` values
-    name the spliced conditions `<translator>|sink=<s>` (one set of model passes serves them all)."""
+    name the spliced conditions `<translator>|sink=<s>` (one set of model passes serves them all).
+    `keep["cloud_acts"]` receives this text's cloud prefix activations (the next text's `mismatched`)."""
     fusers = fusers or {}
     sinks = [sink] if isinstance(sink, int) else list(sink)
     full = torch.cat([text.prefix, text.continuation])
@@ -86,6 +91,8 @@ def evaluate_text(edge, cloud, text: HeldOutText, translators: dict, splits: lis
     cloud_acts = capture(cloud.model, [full], features, select=lambda t, n: torch.arange(p),
                          on_output=lambda t, out: seen.append(out.logits[0, p:-1]))
     cloud_logits = seen[0]
+    if keep is not None:
+        keep["cloud_acts"] = cloud_acts
     cloud_top = cloud_logits.argmax(-1)
     row("edge", None, edge_logits)
     row("cloud", None, cloud_logits)
@@ -99,6 +106,8 @@ def evaluate_text(edge, cloud, text: HeldOutText, translators: dict, splits: lis
         row("fuse-closed", min(first.info), _fused(edge, base, first, None, text, []))
         for name, fuser in fusers.items():
             row(name, min(fuser.info), _fused(edge, base, fuser, edge_acts if fuser.self_fuse else cloud_acts, text))
+            if mismatched is not None and not fuser.self_fuse:
+                row(f"{name}@mismatched", min(fuser.info), _fused(edge, base, fuser, mismatched, text))
     own = {i: (base.layers[i].keys[0].float(), base.layers[i].values[0].float()) for i in range(edge.num_layers)}
     for name, translator in translators.items():
         translated = translator.translate(cloud_acts, edge.model, list(range(min(splits), edge.num_layers)))
