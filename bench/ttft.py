@@ -29,7 +29,7 @@ from bench.compress import xsum_prompt
 from edgekv.eval.network import layer_times
 from edgekv.kv.compress_job import CompressConfig, run_compress
 from edgekv.models.loading import load_model
-from edgekv.models.prepack import PackedLinear, prepack_linears
+from edgekv.models.prepack import prepack_linears
 from edgekv.models.structure import decoder_layers
 from edgekv.serve.engine import Engine, GenRequest
 from edgekv.serve.pipeline import Link, overlap_efficiency, predict_ttft
@@ -42,9 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def flops(model, q_tokens: int, kv_tokens: int, logits: int) -> float:
     """Forward FLOPs: 2·params per token through the blocks, causal attention scores/values, the LM head."""
     cfg = model.config
-    layers = decoder_layers(model)
-    blocks = sum(p.numel() for p in layers.parameters()) + sum(  # prepacked weights are plain attributes
-        m.in_features * m.out_features for m in layers.modules() if isinstance(m, PackedLinear))
+    blocks = sum(p.numel() for p in decoder_layers(model).parameters())
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     # query t (0-based within the q block) attends to kv_tokens − q_tokens + t + 1 keys
     attended = q_tokens * (kv_tokens - q_tokens) + q_tokens * (q_tokens + 1) / 2
@@ -84,7 +82,6 @@ def main() -> None:
 
     edge = load_model("default-edge", "bfloat16")
     model, tok = edge.model, edge.tokenizer
-    packed = 0 if args.no_prepack else prepack_linears(model)  # every condition runs on the same model
     sys_ids = xsum_prompt(tok, args.system)
     system = tok.decode(sys_ids)
     sys_ids = torch.tensor(tok(system)["input_ids"])  # what a session will use: the text re-encoded
@@ -96,6 +93,8 @@ def main() -> None:
         if len(users) == 3:
             break
     S, U = sys_ids.numel(), args.user
+    bound = flops(model, S + U, S + U, S + U) / flops(model, U, S + U, 1)  # counts parameters: before prepacking
+    packed = 0 if args.no_prepack else prepack_linears(model)  # every condition runs on the same model
     print(f"S = {S} system tokens (XSum), U = {U} user tokens (ShareGPT); bf16; {torch.get_num_threads()} threads; "
           f"{packed} linear layers prepacked")
 
@@ -158,7 +157,6 @@ def main() -> None:
     engine.close()
     med = {k: statistics.median(v) for k, v in samples.items()}
     base = med["full prefill (all logits)"]
-    bound = flops(model, S + U, S + U, S + U) / flops(model, U, S + U, 1)
     print(f"\nTTFT, median of {args.reps} (FLOP bound of a splice vs full prefill: {bound:.1f}×)")
     print(f"{'condition':<28}{'median ms':>11}{'speedup':>10}")
     for k, v in med.items():

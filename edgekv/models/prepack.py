@@ -45,24 +45,33 @@ class PackedLinear(torch.nn.Module):
 _MADV_PAGEOUT = 21  # Linux ≥ 5.4: reclaim these pages now; their contents stay (re-read from the file if touched)
 
 
+def _libc_madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
+
+
+_MADVISE = _libc_madvise()
+
+
 def _page_out(tensor: torch.Tensor) -> None:
     """Hand the pages of a dropped weight back to the kernel. Weights loaded from safetensors are views of one
     file mapping that the embedding keeps alive, so dropping a `Linear` frees nothing and its pages would stay in
     RSS beside the packed copy (+0.66 GB on the default edge). Paging out never changes what the memory holds,
     so it is safe even if something still reads the tensor; anywhere else it is a silent no-op."""
-    if not sys.platform.startswith("linux"):
+    if _MADVISE is None:
         return
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
     page = mmap.PAGESIZE
     start, end = -(-start // page) * page, end // page * page  # whole pages inside the tensor only
     if end > start:
-        madvise(start, end - start, _MADV_PAGEOUT)  # an error (old kernel, no such pages) changes nothing
+        _MADVISE(start, end - start, _MADV_PAGEOUT)  # an error (old kernel, no such pages) changes nothing
 
 
 def can_prepack(model: torch.nn.Module) -> bool:
