@@ -29,6 +29,7 @@ def train_fuser(
     steps: Optional[int] = typer.Option(None, help="Most training steps (one text each) [2000]."),
     minutes: Optional[float] = typer.Option(None, help="Training time budget [10]."),
     lr: Optional[float] = typer.Option(None, help="Adam learning rate [0.05 bias, 1e-3 residual]."),
+    map_lr: Optional[float] = typer.Option(None, help="Also train the hidden-state maps at this rate [fixed]."),
     ce_weight: Optional[float] = typer.Option(None, help="Weight of cross-entropy on the text beside the KL [0]."),
     cache: Optional[Path] = typer.Option(None, help="Feature cache (safetensors per text) [runs/fuser-cache]."),
     ship: Optional[Path] = typer.Option(None, help="Also write the compact fuser (open layers, fp16 maps) here."),
@@ -40,7 +41,7 @@ def train_fuser(
     overrides = dict(out=str(out) if out else None, cloud=cloud, edge=edge, gate=gate, self_fuse=self_fuse,
                      mapping=str(mapping) if mapping else None, strategy=strategy, start_layer=start_layer,
                      train_texts=train_texts, xsum_texts=xsum_texts, gate_texts=gate_texts, steps=steps,
-                     minutes=minutes, lr=lr,
+                     minutes=minutes, lr=lr, map_lr=map_lr,
                      ce_weight=ce_weight, cache=str(cache) if cache else None, seed=seed,
                      ship=str(ship) if ship else None, max_open=max_open)
     cfg = load_config(TrainFuserConfig, "train_fuser", config, overrides)

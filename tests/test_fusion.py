@@ -284,6 +284,8 @@ def test_train_fuser_command_on_tiny_models(tiny_models, tmp_path):
     assert [e["step"] for e in log] == list(range(0, 9))
     bad = runner.invoke(app, ["train-fuser", "--gate", "nope"])
     assert bad.exit_code == 1 and "unknown --gate 'nope'" in bad.output and "Traceback" not in bad.output
+    bad_rate = runner.invoke(app, ["train-fuser", "--map-lr", "0"])
+    assert bad_rate.exit_code == 1 and "--map-lr must be > 0" in bad_rate.output and "Traceback" not in bad_rate.output
 
 
 def test_compact_fuser_keeps_open_layers_in_float16_and_loads(calib_file, tmp_path):
@@ -317,3 +319,34 @@ def test_self_fusion_features_come_from_the_edge_and_targets_from_the_cloud(cali
     assert len(list((cache / "targets").glob("*.safetensors"))) == 2  # computed once, shared
     again = prepare(edge, edge, texts[:2], self_fuser, ("e", "e"), top_k=8, cache_dir=cache, teacher=cloud)
     assert torch.equal(again[0].cloud[2][1], from_edge[0].cloud[2][1])
+
+
+def test_raw_features_map_as_cached_ones_and_trained_maps_learn_and_resume_exactly(calib_file, tmp_path):
+    cloud, edge, bias_fuser, texts = _pair(tmp_path, calib_file)
+    fuser = ResidualFuser.from_hidden(bias_fuser, edge.model, rank=8)
+    cooked = prepare(edge, cloud, texts[:5], fuser, ("c", "e"), top_k=16)
+    raw = prepare(edge, cloud, texts[:5], fuser, ("c", "e"), top_k=16, cache_dir=tmp_path / "cache", raw=True)
+    held = prepare(edge, cloud, texts[5:], fuser, ("c", "e"), top_k=16, cache_dir=tmp_path / "cache", raw=True)
+    assert raw[0].hidden[1].shape[-1] == 64 and not raw[0].cloud  # the cloud's own width, nothing mapped yet
+    with torch.no_grad():
+        for c, r in zip(cooked, raw):
+            for i in (1, 2):
+                mapped = r.cloud_kv(edge, fuser, [i])[i]
+                assert all(torch.equal(a, b) for a, b in zip(mapped, c.cloud[i]))
+    with pytest.raises(EdgeKVError, match="raw examples"):
+        train(edge, fuser, cooked, [], steps=1, lr=3e-3, map_lr=1e-3)
+    fresh = lambda: ResidualFuser.from_hidden(bias_fuser, edge.model, rank=8)  # noqa: E731
+    before_maps = {i: m.weight.clone() for i, m in fuser.maps.items()}
+    trained = fresh()
+    before = evaluate(edge, trained, held, [1, 2])["kl"]
+    train(edge, trained, raw, held, steps=30, lr=3e-3, map_lr=1e-3)
+    assert evaluate(edge, trained, held, [1, 2])["kl"] < before - 1e-3
+    assert all(not torch.equal(trained.maps[i].weight, w) for i, w in before_maps.items())  # the maps moved
+    straight = fresh()
+    train(edge, straight, raw, [], steps=6, lr=3e-3, map_lr=1e-3)
+    train(edge, fresh(), raw, [], steps=3, lr=3e-3, map_lr=1e-3, checkpoint=tmp_path / "ck", every=3)
+    again = fresh()
+    train(edge, again, raw, [], steps=6, lr=3e-3, map_lr=1e-3, checkpoint=tmp_path / "ck", every=3)
+    assert all(torch.equal(again.tensors()[k], t) for k, t in straight.tensors().items())
+    with pytest.raises(EdgeKVError, match="trained other tensors"):  # gates-only run on a maps checkpoint
+        train(edge, fresh(), raw, [], steps=9, lr=3e-3, checkpoint=tmp_path / "ck", every=3)

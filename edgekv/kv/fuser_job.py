@@ -64,6 +64,7 @@ class TrainFuserConfig:
     top_k: int = 64
     lr: float | None = None  # None: 0.05 (bias), 1e-3 (residual)
     rank: int = 32  # fuse-residual's hidden width
+    map_lr: float | None = None  # also train the hidden-state maps at this rate (None: the ridge maps stay as fitted)
     ce_weight: float = 0.0
     steps: int = 2000
     minutes: float = 10.0
@@ -88,8 +89,8 @@ class TrainFuserConfig:
             raise EdgeKVError("train_texts, gate_texts, steps, eval_every, top_k and rank must be ≥ 1")
         if self.calib_texts < 3 or self.prefix_tokens < 2 or self.cont_tokens < 2:
             raise EdgeKVError("calib_texts must be ≥ 3, prefix_tokens and cont_tokens ≥ 2")
-        if self.minutes <= 0 or (self.lr is not None and self.lr <= 0):
-            raise EdgeKVError("--minutes and --lr must be > 0")
+        if self.minutes <= 0 or any(v is not None and v <= 0 for v in (self.lr, self.map_lr)):
+            raise EdgeKVError("--minutes, --lr and --map-lr must be > 0")
         if self.max_open is not None and self.max_open < 1:
             raise EdgeKVError(f"--max-open must be ≥ 1, got {self.max_open}")
         if self.mapping is not None and not Path(self.mapping).is_file():
@@ -163,22 +164,25 @@ def run_train_fuser(cfg: TrainFuserConfig, progress=None) -> dict:
     train_texts += _xsum_split(edge.tokenizer, cfg.xsum_offset, cfg.xsum_texts, cfg.prefix_tokens, cfg.cont_tokens)
     gate_texts = _sharegpt_split(edge.tokenizer, cfg.gate_offset, cfg.gate_texts, cfg.prefix_tokens, cfg.cont_tokens)
     start = time.perf_counter()
+    raw = cfg.map_lr is not None  # the maps train: cache the cloud's hidden states, map them at every step
     examples = prepare(edge, cloud, train_texts, fuser, pair, cfg.top_k, cfg.cache,
-                       on_text=steps.task("features: training texts", len(train_texts)), teacher=teacher)
+                       on_text=steps.task("features: training texts", len(train_texts)), teacher=teacher, raw=raw)
     held = prepare(edge, cloud, gate_texts, fuser, pair, cfg.top_k, cfg.cache,
-                   on_text=steps.task("features: gate-choice texts", len(gate_texts)), teacher=teacher)
+                   on_text=steps.task("features: gate-choice texts", len(gate_texts)), teacher=teacher, raw=raw)
     prepared_s = time.perf_counter() - start
+    del teacher, cloud  # training needs the edge alone (raw features are large: free the cloud's memory first)
     deadline = time.perf_counter() + 60 * cfg.minutes
     log = train(edge, fuser, examples, held, cfg.steps, lr=cfg.lr or DEFAULT_LR[cfg.gate], ce_weight=cfg.ce_weight,
                 seed=cfg.seed, checkpoint=out, every=cfg.eval_every, on_step=steps.task("train", cfg.steps),
-                stop=lambda s: time.perf_counter() > deadline, pair=pair)
+                stop=lambda s: time.perf_counter() > deadline, pair=pair, map_lr=cfg.map_lr)
     trained_s = time.perf_counter() - start - prepared_s
     gates = choose_gates(edge, fuser, held, cfg.gate_margin, cfg.max_open)
     save_translator(fuser, out, *pair)  # now with its hard gates
     if cfg.ship and fuser.open_layers():
         save_translator(fuser.compact(), cfg.ship, *pair)
     tail = [e["held_out_kl"] for e in log if "held_out_kl" in e]
-    gates.update({"gate": cfg.gate, "pairs": pairs, "self_fuse": cfg.self_fuse, "train_texts": len(examples),
+    gates.update({"gate": cfg.gate, "pairs": pairs, "self_fuse": cfg.self_fuse, "maps_trained": raw,
+                  "train_texts": len(examples),
                   "train_sources": {s: sum(t.source == s for t in train_texts) for s in ("sharegpt", "xsum")},
                   "gate_texts": len(held), "train_tokens": sum(e.continuation.numel() - 1 for e in examples),
                   "prepare_s": prepared_s, "train_s": trained_s, "steps": log[-1]["step"],

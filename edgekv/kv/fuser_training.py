@@ -5,6 +5,11 @@ an exact KL over the k+1 outcomes {top-k ids, everything else}), optionally plus
 The expensive inputs — the edge's own prefix KV, the translated cloud KV and the cloud's top-k — are computed
 once per text and cached on disk as safetensors keyed by a hash of everything they depend on, so epochs and
 resumed runs never rerun the cloud. Seeded order, resumable (safetensors state + JSON log), held-out curve.
+
+With `map_lr` the hidden-state maps train too (end to end with the gates). The cache then holds the cloud's
+un-mapped input hidden states (`raw` features) and each step maps them: the ridge maps are fitted to predict the
+edge's *own* hidden states, so their output is an estimate of KV the edge already has; only a map that learns
+can carry what the cloud knows and the edge does not.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import DynamicCache
 
+from edgekv import EdgeKVError
 from edgekv.atomic import write_tensors_atomic
 from edgekv.attention.fuse import enable_fusion
 from edgekv.kv.fusers import Fuser
@@ -40,14 +46,24 @@ class FuseExample:
     cloud: dict[int, KVPair]  # mapped edge layers, (kv_heads, P, d)
     top_ids: torch.Tensor  # (C−1, k)
     top_logp: torch.Tensor  # (C−1, k) the cloud's log-probs of those ids
+    hidden: dict[int, torch.Tensor] | None = None  # raw features: mapped edge layer → cloud hidden_in (P, d_cloud)
+
+    def cloud_kv(self, edge, fuser: Fuser, layers: list[int]) -> dict[int, KVPair]:
+        """The translated cloud KV of `layers`: cached, or mapped now from raw features (differentiable)."""
+        if self.hidden is None:
+            return self.cloud
+        return {i: tuple(t.to(edge.model.dtype) for t in fuser.layer_kv(edge.model, i, {"hidden_in": self.hidden[i]}))
+                for i in layers if i in self.hidden}
 
 
-def _maps_digest(fuser: Fuser, pair: tuple[str, str], top_k: int) -> str:
-    """What cached features depend on besides the text: the model pair, k and the maps (never the gates)."""
+def _maps_digest(fuser: Fuser, pair: tuple[str, str], top_k: int, raw: bool = False) -> str:
+    """What cached features depend on besides the text: the model pair, k and the maps (never the gates; raw
+    features do not depend on the maps either)."""
     layers = {str(i): fuser.info[i]["cloud_layer"] for i in sorted(fuser.info)}
-    h = hashlib.sha256(json.dumps({"pair": pair, "k": top_k, "layers": layers}).encode())
-    for name, t in sorted(HiddenTranslator.tensors(fuser).items()):  # the maps only, never the gates
-        h.update(name.encode() + t.detach().float().contiguous().numpy().tobytes())
+    h = hashlib.sha256(json.dumps({"pair": pair, "k": top_k, "layers": layers, **({"raw": 1} if raw else {})}).encode())
+    if not raw:
+        for name, t in sorted(HiddenTranslator.tensors(fuser).items()):  # the maps only, never the gates
+            h.update(name.encode() + t.detach().float().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -62,8 +78,10 @@ def _target_key(text: HeldOutText, teacher_fingerprint: str, top_k: int) -> str:
 
 
 @torch.no_grad()
-def _features(edge, source, text: HeldOutText, fuser: Fuser, top_k: int | None) -> dict[str, torch.Tensor]:
-    """Own prefix KV, the source's translated KV, and (top_k given) the source's top-k on the continuation."""
+def _features(edge, source, text: HeldOutText, fuser: Fuser, top_k: int | None,
+              raw: bool = False) -> dict[str, torch.Tensor]:
+    """Own prefix KV, the source's translated KV (raw: its un-mapped hidden states), and (top_k given) the
+    source's top-k on the continuation."""
     full = torch.cat([text.prefix, text.continuation])
     p = text.prefix.numel()
     seen = []
@@ -75,6 +93,11 @@ def _features(edge, source, text: HeldOutText, fuser: Fuser, top_k: int | None) 
         out["top_logp"], out["top_ids"] = torch.log_softmax(seen[0].float(), -1).topk(top_k, dim=-1)
     for i, layer in enumerate(cache.layers):
         out[f"own.{i}.k"], out[f"own.{i}.v"] = layer.keys[0], layer.values[0]
+    if raw:
+        for i in sorted(fuser.info):
+            # capture widens to float32; the model's own dtype holds these values exactly at half the bytes
+            out[f"hidden.{i}"] = acts.layers["hidden_in"][fuser.info[i]["cloud_layer"]].to(source.model.dtype)
+        return out
     for i, (k, v) in fuser.translate(acts, edge.model, sorted(fuser.info)).items():
         out[f"cloud.{i}.k"], out[f"cloud.{i}.v"] = k.to(edge.model.dtype), v.to(edge.model.dtype)
     return out
@@ -92,20 +115,23 @@ def _targets(teacher, text: HeldOutText, top_k: int) -> dict[str, torch.Tensor]:
 def _example(t: dict[str, torch.Tensor]) -> FuseExample:
     own_layers = sorted({int(n.split(".")[1]) for n in t if n.startswith("own.")})
     cloud_layers = sorted({int(n.split(".")[1]) for n in t if n.startswith("cloud.")})
+    hidden = {int(n.split(".")[1]): v for n, v in t.items() if n.startswith("hidden.")}
     return FuseExample(t["prefix"], t["continuation"], [(t[f"own.{i}.k"], t[f"own.{i}.v"]) for i in own_layers],
-                       {i: (t[f"cloud.{i}.k"], t[f"cloud.{i}.v"]) for i in cloud_layers}, t["top_ids"], t["top_logp"])
+                       {i: (t[f"cloud.{i}.k"], t[f"cloud.{i}.v"]) for i in cloud_layers}, t["top_ids"], t["top_logp"],
+                       hidden or None)
 
 
 def prepare(edge, cloud, texts: list[HeldOutText], fuser: Fuser, pair: tuple[str, str], top_k: int = 64,
             cache_dir: str | Path | None = None, on_text: Callable[[int], None] | None = None,
-            teacher=None) -> list[FuseExample]:
+            teacher=None, raw: bool = False) -> list[FuseExample]:
     """One FuseExample per text: features from `cloud` (the source of the fused KV; the edge itself for a
     self-fusion control), targets from `teacher` (default: the source). Both are read from `cache_dir` when
     computed before (atomic safetensors per text: features keyed by the maps and `pair`, targets by the
-    teacher's fingerprint), so a self-fusion run reuses the cloud's targets."""
+    teacher's fingerprint), so a self-fusion run reuses the cloud's targets. `raw`: keep the source's
+    un-mapped hidden states instead of translated KV (for training the maps)."""
     teacher = teacher or cloud
     same = teacher is cloud
-    digest = _maps_digest(fuser, pair, top_k) if cache_dir else ""
+    digest = _maps_digest(fuser, pair, top_k, raw) if cache_dir else ""
     out = []
     for n, text in enumerate(texts):
         feat_path = Path(cache_dir) / f"{_key(text, digest)}.safetensors" if cache_dir else None
@@ -113,7 +139,7 @@ def prepare(edge, cloud, texts: list[HeldOutText], fuser: Fuser, pair: tuple[str
                        if cache_dir else None)
         tensors = load_file(str(feat_path)) if feat_path is not None and feat_path.exists() else None
         if tensors is None:
-            tensors = _features(edge, cloud, text, fuser, top_k if same else None)
+            tensors = _features(edge, cloud, text, fuser, top_k if same else None, raw)
             if feat_path is not None:
                 write_tensors_atomic(feat_path, tensors)
         if "top_ids" not in tensors or not same:
@@ -146,7 +172,9 @@ def fused_continuation(edge, fuser: Fuser, own: list[KVPair], cloud: dict[int, K
 
 def fused_logits(edge, fuser: Fuser, ex: FuseExample, layers: list[int] | None = None) -> torch.Tensor:
     """`fused_continuation` of one cached training example."""
-    return fused_continuation(edge, fuser, ex.own, ex.cloud, ex.prefix.numel(), ex.continuation, layers)
+    layers = fuser.open_layers() if layers is None else layers
+    return fused_continuation(edge, fuser, ex.own, ex.cloud_kv(edge, fuser, layers), ex.prefix.numel(),
+                              ex.continuation, layers)
 
 
 def topk_kl(logits: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor) -> torch.Tensor:
@@ -182,36 +210,51 @@ def evaluate(edge, fuser: Fuser, examples: list[FuseExample], layers: list[int] 
     return {"kl": sum(kl) / len(kl), "nll": sum(nl) / len(nl)}
 
 
-def _save(path: Path, fuser: Fuser, opt: torch.optim.Optimizer, step: int, log: list, pair) -> None:
-    tensors = {f"param.{n}": p.detach().clone().contiguous() for n, p in enumerate(fuser.parameters())}
-    tensors.update(optimizer_tensors(fuser.parameters(), opt))
+def trainable(fuser: Fuser, maps: bool) -> list[torch.Tensor]:
+    """The tensors a run trains, in a fixed order: the gates, then (maps) every map's weight and bias."""
+    return fuser.parameters() + ([t for i in sorted(fuser.maps) for t in (fuser.maps[i].weight, fuser.maps[i].bias)]
+                                 if maps else [])
+
+
+def _save(path: Path, fuser: Fuser, params: list[torch.Tensor], opt: torch.optim.Optimizer, step: int, log: list,
+          pair) -> None:
+    tensors = {f"param.{n}": p.detach().clone().contiguous() for n, p in enumerate(params)}
+    tensors.update(optimizer_tensors(params, opt))
     write_checkpoint(path, tensors, fuser, pair, {"step": step, "log": log})
 
 
-def _load(path: Path, fuser: Fuser, opt: torch.optim.Optimizer) -> tuple[int, list]:
+def _load(path: Path, params: list[torch.Tensor], opt: torch.optim.Optimizer) -> tuple[int, list]:
     found = read_checkpoint(path)
     if found is None:
         return 0, []
     tensors, progress = found
+    if sum(k.startswith("param.") for k in tensors) != len(params):
+        raise EdgeKVError(f"{path}: the checkpoint trained other tensors (maps trained or not?); use a new --out")
     with torch.no_grad():
-        for n, p in enumerate(fuser.parameters()):
+        for n, p in enumerate(params):
             p.copy_(tensors[f"param.{n}"])
-    restore_optimizer(fuser.parameters(), opt, tensors)
+    restore_optimizer(params, opt, tensors)
     return progress["step"], progress["log"]
 
 
 def train(edge, fuser: Fuser, examples: list[FuseExample], held_out: list[FuseExample], steps: int,
           lr: float = 0.05, ce_weight: float = 0.0, seed: int = 0, checkpoint: str | Path | None = None,
-          every: int = 25, on_step=None, stop=None, pair: tuple[str | None, str | None] = (None, None)) -> list[dict]:
-    """Adam on the fuser's gates, one text per step in a seeded order; held-out KL/NLL every `every` steps and at
-    the end; resumes from `checkpoint`; `stop(step)` may end early. Every model weight stays frozen."""
+          every: int = 25, on_step=None, stop=None, pair: tuple[str | None, str | None] = (None, None),
+          map_lr: float | None = None) -> list[dict]:
+    """Adam on the fuser's gates (and, with `map_lr`, its maps at that rate: needs raw examples), one text per
+    step in a seeded order; held-out KL/NLL every `every` steps and at the end; resumes from `checkpoint`;
+    `stop(step)` may end early. Every model weight stays frozen."""
+    if map_lr is not None and any(ex.hidden is None for ex in examples + held_out):
+        raise EdgeKVError("training the maps needs raw examples (prepare(..., raw=True))")
     for p in edge.model.parameters():
         p.requires_grad_(False)
-    params = fuser.parameters()
+    params = trainable(fuser, map_lr is not None)
     for p in params:
         p.requires_grad_(True)
-    opt = torch.optim.Adam(params, lr=lr)
-    start, log = _load(Path(checkpoint), fuser, opt) if checkpoint else (0, [])
+    gates = fuser.parameters()
+    groups = [{"params": gates}] + ([{"params": params[len(gates):], "lr": map_lr}] if map_lr is not None else [])
+    opt = torch.optim.Adam(groups, lr=lr)
+    start, log = _load(Path(checkpoint), params, opt) if checkpoint else (0, [])
     if start == 0 and held_out:
         log.append({"step": 0, **{f"held_out_{k}": v for k, v in evaluate(edge, fuser, held_out, None).items()}})
     for step in range(start, steps):
@@ -229,7 +272,7 @@ def train(edge, fuser: Fuser, examples: list[FuseExample], held_out: list[FuseEx
         if on_step:
             on_step(step + 1, entry)
         if checkpoint and ((step + 1) % every == 0 or done):
-            _save(Path(checkpoint), fuser, opt, step + 1, log, pair)
+            _save(Path(checkpoint), fuser, params, opt, step + 1, log, pair)
         if done:
             break
     for p in params:
