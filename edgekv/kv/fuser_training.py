@@ -212,8 +212,7 @@ def evaluate(edge, fuser: Fuser, examples: list[FuseExample], layers: list[int] 
 
 def trainable(fuser: Fuser, maps: bool) -> list[torch.Tensor]:
     """The tensors a run trains, in a fixed order: the gates, then (maps) every map's weight and bias."""
-    return fuser.parameters() + ([t for i in sorted(fuser.maps) for t in (fuser.maps[i].weight, fuser.maps[i].bias)]
-                                 if maps else [])
+    return fuser.parameters() + (fuser.map_parameters() if maps else [])
 
 
 def _save(path: Path, fuser: Fuser, params: list[torch.Tensor], opt: torch.optim.Optimizer, step: int, log: list,

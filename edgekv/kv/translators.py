@@ -228,6 +228,10 @@ class HiddenTranslator(Translator):
         """Inverse of `tensors` (the layer pairing comes from `info`)."""
         self.maps = {i: RidgeMap.from_tensors(tensors, str(i), self.info[i].get("alpha", 0.0)) for i in self.info}
 
+    def map_parameters(self) -> list[torch.Tensor]:
+        """Every map's weight and bias in layer order: what end-to-end training moves."""
+        return [t for i in sorted(self.maps) for t in (self.maps[i].weight, self.maps[i].bias)]
+
 
 @register_translator("trained")
 class TrainedTranslator(HiddenTranslator):
@@ -244,7 +248,7 @@ class TrainedTranslator(HiddenTranslator):
 
     def parameters(self) -> list[torch.Tensor]:
         """The trainable tensors (every map's weight and bias), in layer order."""
-        return [t for i in sorted(self.maps) for t in (self.maps[i].weight, self.maps[i].bias)]
+        return self.map_parameters()
 
 
 # ------------------------------------------------------------------------------------- saving and loading
