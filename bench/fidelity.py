@@ -27,7 +27,7 @@ from rich.progress import Progress
 
 from edgekv.align.align_job import tokenize
 from edgekv.align.mapping import MappingParams, build_mapping
-from edgekv.eval.fidelity import delta_ci95, evaluate_text, paired_delta, summarize
+from edgekv.eval.fidelity import context_gain, delta_ci95, evaluate_text, paired_delta, summarize
 from edgekv.kv.training import load_trained
 from edgekv.kv.translators import TRANSLATORS, load_translator
 from edgekv.models.capture import capture
@@ -56,7 +56,7 @@ def full_depth_pairs(similarity: str | None, n_cloud: int, n_edge: int,
 
 def table(summary: list[dict], source: str, key: str, splits: list[int]) -> str:
     conditions = sorted({s["condition"] for s in summary if s["source"] == source},
-                        key=lambda c: (c not in ("edge", "cloud", "no-prefix"), c))
+                        key=lambda c: (c not in ("edge", "cloud", "no-prefix", "cloud-no-prefix"), c))
     cell = {(s["condition"], s["m"]): s for s in summary if s["source"] == source}
     lines = [f"{source}: {key} (mean ± s.e. over {next(iter(cell.values()))['texts']} texts)",
              f"{'condition':<14}" + "".join(f"{'m=' + str(m):>16}" for m in splits)]
@@ -163,6 +163,7 @@ def main() -> None:
     if fusers:  # paired Δ NLL with 95 % intervals, in the shape reports/fidelity-fuse/summary.json has
         m = min(min(f.info) for f in fusers.values())
         names = {("edge", None): "edge", ("cloud", None): "cloud", ("no-prefix", None): "no-prefix",
+                 ("cloud-no-prefix", None): "cloud-no-prefix",
                  (args.replace, m): "replace", (f"noise:{args.replace}", m): "noise", ("fuse-closed", m): "fuse-closed",
                  **({(f"{args.replace}@{alt}", m): f"replace@{alt}", (f"noise:{args.replace}@{alt}", m): f"noise@{alt}"}
                     if args.also_mapping else {}),
@@ -183,6 +184,13 @@ def main() -> None:
             for name, c in conditions.items():
                 print(f"  {name:<14} n={c['n']:<4} {c['delta_mean']:+.4f}  "
                       f"[{c['delta_ci95'][0]:+.4f}, {c['delta_ci95'][1]:+.4f}]")
+    gain = context_gain(rows)  # how much of the cloud's lead is its reading of the prefix
+    (out / "context_gain.json").write_text(json.dumps(gain, indent=1))
+    interval_plot(gain, out / "context_gain.png", "NLL saved by reading the prefix (95 % CI); cloud-extra = "
+                  "cloud − edge", xlabel="nats/token")
+    for source, g in gain.items():
+        print(f"{source}: NLL saved by reading the prefix (nats/token, 95 % t-interval): " + ", ".join(
+            f"{k} {c['delta_mean']:+.4f} [{c['delta_ci95'][0]:+.4f}, {c['delta_ci95'][1]:+.4f}]" for k, c in g.items()))
     for source in ("sharegpt", "xsum"):
         for key in ("nll", "top1_edge", "top1_cloud"):
             print(table([s for s in summary if key == "nll" or not s["condition"].startswith("Δ")], source, key,

@@ -66,7 +66,8 @@ def loss_curve(log: list[dict], path: str | Path, title: str) -> None:
     save_figure(fig, path)
 
 
-def interval_plot(ci: dict[str, dict[str, dict]], path: str | Path, title: str) -> None:
+def interval_plot(ci: dict[str, dict[str, dict]], path: str | Path, title: str,
+                  xlabel: str = "Δ NLL (nats/token)") -> None:
     """Forest plot: per source a panel, per condition its mean and 95 % interval, zero marked."""
     sources = list(ci)
     fig, axes = plt.subplots(1, len(sources), figsize=(5.5 * len(sources), 0.45 * max(map(len, ci.values())) + 1.4),
@@ -81,7 +82,7 @@ def interval_plot(ci: dict[str, dict[str, dict]], path: str | Path, title: str) 
         ax.set_yticks(range(len(names)), names)
         ax.invert_yaxis()
         ax.set_title(f"{source} (n = {ci[source][names[0]]['n']})")
-        ax.set_xlabel("Δ NLL (nats/token)")
+        ax.set_xlabel(xlabel)
     fig.suptitle(title)
     save_figure(fig, path)
 

@@ -173,7 +173,7 @@ def test_fidelity_harness_runs_fusers_and_closed_equals_edge(calib_file, tmp_pat
     self_fuser.set_open([1, 2])
     rows = evaluate_text(edge, cloud, texts[0], {}, [1], 1, fusers={"fuse": fuser, "self-fuse": self_fuser})
     by = {r["condition"]: r for r in rows}
-    assert set(by) == {"edge", "cloud", "no-prefix", "fuse-closed", "fuse", "self-fuse"}
+    assert set(by) == {"edge", "cloud", "no-prefix", "cloud-no-prefix", "fuse-closed", "fuse", "self-fuse"}
     assert by["fuse-closed"]["nll"] == pytest.approx(by["edge"]["nll"], abs=1e-5)
     assert abs(by["fuse"]["nll"] - by["edge"]["nll"]) > 1e-4
     assert self_fuser.self_fuse and not fuser.self_fuse

@@ -83,7 +83,8 @@ def test_fidelity_harness_on_tiny_pair(tiny_models, calib_file):
     rows = evaluate_text(edge, cloud, text, translators, splits=[0, 2], sink=1)
     by = {(r["condition"], r["m"]): r for r in rows}
     assert by[("edge", None)]["top1_edge"] == 1.0 and by[("cloud", None)]["top1_cloud"] == 1.0
-    assert set(by) >= {("ridge", 0), ("ridge", 2), ("noise:ridge", 0), ("hidden", 2), ("no-prefix", None)}
+    assert set(by) >= {("ridge", 0), ("ridge", 2), ("noise:ridge", 0), ("hidden", 2), ("no-prefix", None),
+                       ("cloud-no-prefix", None)}
     assert all(r["nll"] > 0 for r in rows)
     summary = summarize(rows + rows)
     assert all(s["texts"] == 2 and s["nll_se"] == 0.0 for s in summary)
@@ -119,3 +120,23 @@ def test_delta_ci95_is_a_t_interval_of_paired_differences():
     assert out["s"]["replace"]["delta_mean"] == pytest.approx(0.2)
     assert out["s"]["replace"]["delta_ci95"] == pytest.approx([0.2 - half, 0.2 + half])
     assert out["s"]["edge"]["delta_mean"] == 0.0
+
+
+def test_context_gain_is_a_difference_in_differences_per_text():
+    from edgekv.eval.fidelity import context_gain
+
+    # per text: edge, no-prefix, cloud, cloud-no-prefix
+    nlls = [(2.0, 3.0, 1.5, 2.9), (2.5, 3.0, 2.0, 2.6), (1.0, 2.5, 0.5, 2.2)]
+    rows = [{"text": t, "source": "s", "condition": c, "m": None, "nll": v}
+            for t, vals in enumerate(nlls)
+            for c, v in zip(("edge", "no-prefix", "cloud", "cloud-no-prefix"), vals)]
+    rows.append({"text": 0, "source": "s", "condition": "hidden", "m": 12, "nll": 9.0})  # spliced rows ignored
+    g = context_gain(rows)["s"]
+    edge, cloud = [1.0, 0.5, 1.5], [1.4, 0.6, 1.7]
+    assert g["edge"]["delta_mean"] == pytest.approx(sum(edge) / 3)
+    assert g["cloud"]["delta_mean"] == pytest.approx(sum(cloud) / 3)
+    extra = torch.tensor([c - e for c, e in zip(cloud, edge)], dtype=torch.float64)
+    half = 4.302652729911275 * float(extra.std()) / 3 ** 0.5  # t(0.975, 2) · s / √3
+    assert g["cloud-extra"]["delta_mean"] == pytest.approx(float(extra.mean()))
+    assert g["cloud-extra"]["delta_ci95"] == pytest.approx([float(extra.mean()) - half, float(extra.mean()) + half])
+    assert g["cloud-extra"]["n"] == 3

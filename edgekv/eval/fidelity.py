@@ -7,7 +7,9 @@ and the edge is scored on the continuation. Controls, on the same tokens:
 - `cloud`: the cloud model's own NLL, what the edge could gain;
 - `noise:<translator>`: the edge's own KV plus Gaussian noise whose per-layer variance equals that translator's
   error on this text (is the translator's error worse than random error of the same size?);
-- `no-prefix`: the edge on the continuation alone;
+- `no-prefix`: the edge on the continuation alone; `cloud-no-prefix`: the cloud on it alone. Their difference in
+  differences, (cloud − cloud-no-prefix) − (edge − no-prefix), is how much more the cloud gains from reading the
+  prefix than the edge does: the part of the cloud's lead that a better prefix KV could carry (`context_gain`);
 - fusers (`fusers={name: Fuser}`): the edge's own prefix KV with the fuser's cloud KV joined at its open layers
   (a self-fusion fuser takes its features from the edge itself), and `fuse-closed`: the same path with every
   gate closed, which must equal `edge`;
@@ -97,6 +99,7 @@ def evaluate_text(edge, cloud, text: HeldOutText, translators: dict, splits: lis
     row("edge", None, edge_logits)
     row("cloud", None, cloud_logits)
     row("no-prefix", None, edge.model(text.continuation[None, :-1]).logits[0])
+    row("cloud-no-prefix", None, cloud.model(text.continuation[None, :-1]).logits[0])
 
     base = edge.model(text.prefix[None], use_cache=True).past_key_values
     if fusers:
@@ -157,11 +160,36 @@ def paired_delta(rows: list[dict], reference: str = "edge") -> list[dict]:
     return out
 
 
+def _t_interval(d: torch.Tensor) -> dict:
+    """{n, delta_mean, delta_ci95}: mean and two-sided 95 % Student t-interval over texts."""
+    from scipy.stats import t as student
+
+    mean = float(d.mean())
+    half = float(student.ppf(0.975, d.numel() - 1) * d.std(unbiased=True) / math.sqrt(d.numel())) \
+        if d.numel() > 1 else float("nan")
+    return {"n": int(d.numel()), "delta_mean": mean, "delta_ci95": [mean - half, mean + half]}
+
+
+def context_gain(rows: list[dict]) -> dict:
+    """{source: {edge, cloud, cloud-extra}}: what reading the prefix saves each model (NLL without it − with it,
+    nats/token, paired per text) and how much more it saves the cloud: the most of the cloud's lead that the
+    edge could take from the cloud's prefix KV while its own layers still read the continuation."""
+    nll = {(r["source"], r["text"], r["condition"]): r["nll"] for r in rows if r["m"] is None}
+    out: dict[str, dict] = {}
+    for source in sorted({r["source"] for r in rows}):
+        texts = sorted({t for s, t, c in nll if s == source and c == "cloud-no-prefix"})
+        if not texts:
+            continue
+        edge = torch.tensor([nll[source, t, "no-prefix"] - nll[source, t, "edge"] for t in texts], dtype=torch.float64)
+        cloud = torch.tensor([nll[source, t, "cloud-no-prefix"] - nll[source, t, "cloud"] for t in texts],
+                             dtype=torch.float64)
+        out[source] = {"edge": _t_interval(edge), "cloud": _t_interval(cloud), "cloud-extra": _t_interval(cloud - edge)}
+    return out
+
+
 def delta_ci95(rows: list[dict], names: dict[tuple[str, int | None], str], reference: str = "edge") -> dict:
     """{source: {name: {n, delta_mean, delta_ci95}}} of the paired NLL differences to `reference` for the
     (condition, m) pairs in `names`; the interval is Student's t over texts (95 %, two-sided)."""
-    from scipy.stats import t as student
-
     ref = {(r["source"], r["text"]): r["nll"] for r in rows if r["condition"] == reference}
     out: dict[str, dict] = {}
     for source in sorted({r["source"] for r in rows}):
@@ -169,11 +197,6 @@ def delta_ci95(rows: list[dict], names: dict[tuple[str, int | None], str], refer
             d = torch.tensor([r["nll"] - ref[(source, r["text"])] for r in rows
                               if r["source"] == source and r["condition"] == condition and r["m"] == m],
                              dtype=torch.float64)
-            if d.numel() == 0:
-                continue
-            mean = float(d.mean())
-            half = float(student.ppf(0.975, d.numel() - 1) * d.std(unbiased=True) / math.sqrt(d.numel())) \
-                if d.numel() > 1 else float("nan")
-            out.setdefault(source, {})[name] = {"n": int(d.numel()), "delta_mean": mean,
-                                                "delta_ci95": [mean - half, mean + half]}
+            if d.numel():
+                out.setdefault(source, {})[name] = _t_interval(d)
     return out
