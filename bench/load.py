@@ -29,7 +29,7 @@ from edgekv.atomic import write_text_atomic
 from edgekv.kv.compress_job import CompressConfig, run_compress
 from edgekv.models.loading import load_model
 from edgekv.models.prepack import prepack_linears
-from edgekv.serve.engine import limit_onednn_cache
+from edgekv.serve.engine import limit_onednn_cache, on_fresh_thread
 from edgekv.serve.http_server import EdgeServer, percentile
 from edgekv.serve.session import EdgeSession
 
@@ -109,15 +109,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-prepack", action="store_true", help="keep nn.Linear (serve-edge prepacks by default)")
     args = ap.parse_args(argv)
     limit_onednn_cache()  # as serve-edge does, before this process's first matmul
-    kv = args.kv
-    if kv is None:
-        kv = "runs/bench-load/kv"
-        run_compress(CompressConfig(out=kv, cloud="default-edge", edge="default-edge", start_layer=12,
-                                    system_prompt=f"@{ROOT / 'data/prompts/system_prompt.txt'}", quant="bf16"))
-    edge = load_model("default-edge")
-    if not args.no_prepack:
-        prepack_linears(edge.model)  # as serve-edge does
-    session = EdgeSession(edge, kv, cache_dir="runs/bench-load/cache")
+    def setup() -> EdgeSession:
+        kv = args.kv
+        if kv is None:
+            kv = "runs/bench-load/kv"
+            run_compress(CompressConfig(out=kv, cloud="default-edge", edge="default-edge", start_layer=12,
+                                        system_prompt=f"@{ROOT / 'data/prompts/system_prompt.txt'}", quant="bf16"))
+        edge = load_model("default-edge")
+        if not args.no_prepack:
+            prepack_linears(edge.model)  # as serve-edge does
+        return EdgeSession(edge, kv, cache_dir="runs/bench-load/cache")
+
+    session = on_fresh_thread(setup)  # as serve-edge does: the engine's thread keeps the only OpenMP pool
     server = EdgeServer(session, "127.0.0.1", 0, api_key=KEY, max_batch=64, max_queue=256)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     port = server.server_address[1]

@@ -9,6 +9,9 @@ as user prompts, A generated tokens each (EOS ignored so every answer has A toke
 clients, C requests arrive together: requests/s, generated tokens/s, TTFT and latency p50/p99, and peak RSS
 above the warm baseline per client (sampled every 20 ms). transformers' `generate_batch` gets the same C
 requests as full prompts (system + user) at once; it has no per-request TTFT, so its latency is the batch's.
+The engine's conditions run first for every C, transformers' after them, each on a compute thread of its own
+that ends with it, the main thread computing nothing: on this 2-core machine two live OpenMP pools throttle each
+other (see `edgekv.serve.engine.Engine`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from transformers import GenerationConfig
 from edgekv.atomic import write_text_atomic
 from edgekv.models.loading import load_model
 from edgekv.models.prepack import prepack_linears
-from edgekv.serve.engine import Engine, GenRequest
+from edgekv.serve.engine import Engine, GenRequest, on_fresh_thread
 from edgekv.serve.http_server import percentile
 from edgekv.serve.session import EdgeSession, SamplingParams
 from edgekv.texts import iter_sharegpt, sharegpt_texts
@@ -120,28 +123,39 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-prepack", action="store_true", help="keep nn.Linear (serve-edge prepacks by default)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    edge = load_model(args.edge, args.dtype)
-    if not args.no_prepack:  # as serve-edge does; transformers' generate_batch runs on the same prepacked model
-        prepack_linears(edge.model)
-    text = " ".join(sharegpt_texts(40).texts)
-    system = torch.tensor(edge.tokenizer(text)["input_ids"][:args.system])
-    session = EdgeSession(edge, None, edge.tokenizer.decode(system), cache_dir=None)
+    def setup() -> EdgeSession:
+        edge = load_model(args.edge, args.dtype)
+        if not args.no_prepack:  # as serve-edge does; transformers' generate_batch runs on the same prepacked model
+            prepack_linears(edge.model)
+        text = " ".join(sharegpt_texts(40).texts)
+        system = torch.tensor(edge.tokenizer(text)["input_ids"][:args.system])
+        return EdgeSession(edge, None, edge.tokenizer.decode(system), cache_dir=None)
+
+    # as serve-edge does: the main thread never computes, each condition's compute thread ends with it, so one
+    # OpenMP pool is alive at a time (two throttle each other's spin-waits on this 2-core machine; see Engine)
+    session = on_fresh_thread(setup)
+    edge = session.edge
     session._eos_ids = lambda: set()  # every answer has --answer tokens
     system = session.system_ids
     levels = [int(c) for c in args.clients.split(",")]
     pool = user_prompts(edge.tokenizer, max(levels))
     rows = []
-    for clients in levels:
+    for clients in levels:  # the engine's conditions first: transformers' manager may outlive its call
         prompts = pool[:clients]
-        row = {"clients": clients, "system_tokens": int(system.numel()), "answer_tokens": args.answer,
-               "engine": run_engine(session, prompts, args.answer, max_batch=max(levels)),
-               "one_at_a_time": run_engine(session, prompts, args.answer, max_batch=1)}
+        rows.append({"clients": clients, "system_tokens": int(system.numel()), "answer_tokens": args.answer,
+                     "engine": run_engine(session, prompts, args.answer, max_batch=max(levels)),
+                     "one_at_a_time": run_engine(session, prompts, args.answer, max_batch=1)})
+        print(f"{clients:>3} clients: engine {rows[-1]['engine']['tokens_per_s']:.1f} tok/s, one at a time "
+              f"{rows[-1]['one_at_a_time']['tokens_per_s']:.1f} tok/s", flush=True)
+    for row in rows:
+        clients = row["clients"]
         if clients <= args.skip_transformers_above:
-            row["transformers_cb"] = run_transformers(edge.model, system, prompts, args.answer)
+            row["transformers_cb"] = on_fresh_thread(run_transformers, edge.model, system, pool[:clients],
+                                                     args.answer)
+            row["threads_alive_after_transformers"] = threading.active_count()
         e, o, t = row["engine"], row["one_at_a_time"], row.get("transformers_cb")
         row["engine_over_one_at_a_time"] = e["tokens_per_s"] / o["tokens_per_s"]
         row["engine_over_transformers"] = e["tokens_per_s"] / t["tokens_per_s"] if t else None
-        rows.append(row)
         print(f"{clients:>3} clients: tokens/s engine {e['tokens_per_s']:.1f}, one-at-a-time {o['tokens_per_s']:.1f}"
               f" ({row['engine_over_one_at_a_time']:.2f}×)"
               + (f", transformers CB {t['tokens_per_s']:.1f} ({row['engine_over_transformers']:.2f}×)" if t else "")

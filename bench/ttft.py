@@ -1,6 +1,6 @@
 """Bench time to first token on the default edge model, every condition side by side in one run (medians).
 
-    python -m bench.ttft [--system 1024] [--user 64] [--reps 7] [--het-kv runs/kv-ttft-het] [--json OUT]
+    python -m bench.ttft [--system 1024] [--user 64] [--reps 9] [--het-kv runs/kv-ttft-het] [--json OUT]
 
 Conditions (S system + U user tokens, bf16, one request at a time):
 - full prefill: `model(system+user)` as a user would write it (all logits), and with only the last logits;
@@ -69,7 +69,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--system", type=int, default=1024)
     ap.add_argument("--user", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--split", type=int, default=12, help="m for the same-model splice")
     ap.add_argument("--het-kv", default="runs/kv-ttft-het", help="heterogeneous export (made if missing)")
     ap.add_argument("--work", default="runs/bench-ttft")
@@ -139,7 +139,7 @@ def main() -> None:
             n[0] += 1
         return run
 
-    engine = Engine(same, max_batch=1)
+    engine = Engine(same, max_batch=1, background=False)  # every condition computes on this one thread
 
     def engine_run(n=[0]):
         engine.generate(GenRequest(users[n[0] % 3], SamplingParams(max_new_tokens=1)))
@@ -157,10 +157,14 @@ def main() -> None:
     engine.close()
     med = {k: statistics.median(v) for k, v in samples.items()}
     base = med["full prefill (all logits)"]
+    # the machine's speed drifts over minutes (±15 %); each round's conditions run back to back, so the ratio
+    # within a round cancels the drift: its median over rounds is the paired speed-up
+    paired = {k: statistics.median(f / x for f, x in zip(samples["full prefill (all logits)"], v))
+              for k, v in samples.items()}
     print(f"\nTTFT, median of {args.reps} (FLOP bound of a splice vs full prefill: {bound:.1f}×)")
-    print(f"{'condition':<28}{'median ms':>11}{'speedup':>10}")
+    print(f"{'condition':<28}{'median ms':>11}{'speedup':>10}{'paired':>9}")
     for k, v in med.items():
-        print(f"{k:<28}{v * 1e3:>11.1f}{base / v:>9.1f}×")
+        print(f"{k:<28}{v * 1e3:>11.1f}{base / v:>9.1f}×{paired[k]:>8.1f}×")
 
     # ---- cold, pipelined, link emulator set so that transfer ≈ compute
     per_layer, head = user_layer_times(same, users[0])
@@ -231,7 +235,7 @@ def main() -> None:
           f"greedy tokens identical for the first {', '.join(map(str, agree))} of 32")
     if args.json:
         Path(args.json).write_text(json.dumps({"S": S, "U": U, "reps": args.reps, "prepacked_linears": packed,
-                                               "samples": samples, "median": med,
+                                               "samples": samples, "median": med, "paired_speedup": paired,
                                                "flop_bound": bound, "cold": {
                                                    "bandwidth_mbps": bandwidth, "measured": measured,
                                                    "predicted": predicted, "serial": serial, "bound": bounds,

@@ -73,6 +73,16 @@ def test_batched_greedy_equals_one_at_a_time(session):
     for (p, n), r in results.items():
         assert r.token_ids == want[p][:16 - n % 3]
         assert r.finish_reason == "length"
+    inline = Engine(session, max_batch=8, background=False)  # no thread: the caller's thread runs the steps
+    done = []
+    try:
+        assert inline.thread is None
+        got = inline.generate_all([GenRequest(session.encode_user(p), SamplingParams(max_new_tokens=16 - n % 3))
+                                   for n, p in enumerate(PROMPTS * 2)], on_done=lambda: done.append(1))
+    finally:
+        inline.close()
+    assert [r.token_ids for r in got] == [want[p][:16 - n % 3] for n, p in enumerate(PROMPTS * 2)]
+    assert len(done) == 2 * len(PROMPTS) and inline.stats["steps"] > 1
     assert engine.stats["batched_tokens"] > engine.stats["steps"]  # some steps carried several requests
 
 
@@ -170,3 +180,46 @@ def test_the_flash_path_with_no_keys_has_zero_weight():
         out, lse = fast_segment_attention(q, none, none)
         own, own_lse = fast_segment_attention(q, torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), causal=True)
     assert torch.isneginf(lse).all() and torch.equal(merge_attention(out, lse, own, own_lse), own)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_query_block_over_a_cache_equals_stock_sdpa_with_grouped_heads_folded(dtype):
+    """The edgekv attention's path without a cloud segment (a splice, a prompt chunk over a cache) folds the
+    grouped-query heads into the query axis instead of repeating the keys: the same numbers as transformers'."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from edgekv.attention import merge
+    from edgekv.attention.fuse import fused_attention
+
+    torch.manual_seed(0)
+    module = SimpleNamespace(num_key_value_groups=7, is_causal=True, layer_idx=0, training=False)
+    b, t, s = 2, 6, 15  # 9 cached tokens, then a block of 6 new ones; the second row left-padded by 3
+    q = torch.randn(b, 14, t, 64, dtype=dtype)
+    k, v = torch.randn(b, 2, s, 64, dtype=dtype), torch.randn(b, 2, s, 64, dtype=dtype)
+    mask = (torch.arange(s)[None, :] <= torch.arange(s - t, s)[:, None])[None, None].repeat(b, 1, 1, 1)
+    mask[1, ..., :3] = False
+    with torch.no_grad():
+        want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.125)
+        got, _ = fused_attention(module, q, k, v, mask, scaling=0.125)
+        assert got.shape == want.shape == (b, t, 14, 64)
+        assert torch.equal(got, want)
+        cached = merge._LAST_MASK[2]
+        again, _ = fused_attention(module, q, k, v, mask, scaling=0.125)  # the next layer: the same mask object
+        assert merge._LAST_MASK[2] is cached and torch.equal(again, want)
+        other = mask.clone()
+        other[0, ..., :2] = False
+        fresh, _ = fused_attention(module, q, k, v, other, scaling=0.125)  # a new mask is never served stale
+        assert torch.equal(fresh, sdpa_attention_forward(module, q, k, v, other, scaling=0.125)[0])
+
+
+def test_on_fresh_thread_returns_or_raises_what_the_function_did_on_another_thread():
+    from edgekv import EdgeKVError
+    from edgekv.serve.engine import on_fresh_thread
+
+    me = threading.get_ident()
+    assert on_fresh_thread(lambda a, b=0: (a + b, threading.get_ident()), 2, b=3)[0] == 5
+    assert on_fresh_thread(threading.get_ident) != me
+    with pytest.raises(EdgeKVError, match="bad export"):
+        on_fresh_thread(lambda: (_ for _ in ()).throw(EdgeKVError("bad export")))

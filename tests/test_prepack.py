@@ -28,10 +28,13 @@ def test_a_prepacked_model_gives_the_same_logits_and_cache():
     ids = torch.randint(0, 256, (1, 40))
     with torch.no_grad():
         want = model(ids, use_cache=True)
-        assert prepack_linears(model) == 3 * 7  # q, k, v, o, gate, up, down per layer
+        last = model(ids, logits_to_keep=1).logits  # the head's one-row product (a splice's first token)
+        assert prepack_linears(model) == 3 * 7 + 1  # q, k, v, o, gate, up, down per layer; the LM head
         assert prepack_linears(model) == 0  # idempotent
         got = model(ids, use_cache=True)
+        assert torch.equal(model(ids, logits_to_keep=1).logits, last)
     assert not any(type(m) is torch.nn.Linear for m in model.model.layers.modules())
+    assert isinstance(model.get_output_embeddings(), PackedLinear)
     assert torch.equal(got.logits, want.logits)
     for a, b in zip(got.past_key_values.layers, want.past_key_values.layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

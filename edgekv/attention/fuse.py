@@ -4,8 +4,10 @@ second segment of translated cloud KV for the same system-prompt tokens, with a 
     O = softmax([q·K_ownᵀ ; q·K_cloudᵀ + b]) · [V_own ; V_cloud]     (one softmax, two segments)
 
 computed as two segment attentions merged exactly by log-sum-exp (`merge_attention` with `bias_b = b`).
-A layer without a cloud segment (a closed hard gate) runs the stock SDPA attention untouched, so with every
-gate closed the model computes exactly what it computes alone.
+A layer without a cloud segment (a closed hard gate) computes what stock SDPA computes, so with every gate closed
+the model computes exactly what it computes alone (a block of queries over a cache takes the same flash kernel
+with the grouped-query heads folded into the query axis instead of the keys copied per head: same numbers,
+less memory traffic).
 
 The same attention function serves the engine's batched decode steps (`edgekv.attention.relay`).
 
@@ -23,7 +25,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from edgekv.attention.merge import merge_attention, segment_attention
+from edgekv.attention.merge import can_flash, fast_segment_attention, merge_attention, segment_attention
 from edgekv.attention.relay import relay_attention
 
 FUSE_ATTENTION = "edgekv_fuse"
@@ -49,6 +51,12 @@ def fused_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     segments = kwargs.pop("cloud_segments", None)
     seg = None if segments is None else segments.get(module.layer_idx)
     if seg is None:
+        if (query.shape[2] > 1 and attention_mask is not None and attention_mask.dtype == torch.bool
+                and dropout == 0.0 and can_flash(query, key)):
+            # a query block over a cache (a splice, a chunk): grouped heads folded, keys never repeated;
+            # the same kernel and mask as stock SDPA (bit-identical, tested)
+            out, _ = fast_segment_attention(query, key, value, attention_mask, scaling)
+            return out.transpose(1, 2).contiguous(), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     o_own, lse_own = segment_attention(query, key, value, attention_mask, scaling, causal=True)

@@ -52,34 +52,60 @@ def segment_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
 _FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def can_flash(query: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether torch's CPU flash kernel serves these tensors here (inference on CPU, one float dtype)."""
+    return (query.dtype in _FLASH_DTYPES and query.device.type == "cpu" and not torch.is_grad_enabled()
+            and keys.dtype == query.dtype)
+
+
+_LAST_MASK: tuple = (None, None, None)  # (bool mask, (dtype, groups), additive mask): every layer shares one
+
+
+def _additive_mask(visible: torch.Tensor, dtype: torch.dtype, groups: int, reuse: bool) -> torch.Tensor:
+    """The additive form of a bool mask (b, 1, t, s), its rows tiled `groups` times when the grouped-query heads
+    are folded into the query axis (folded row r is query r mod t). `reuse`: the caller passes the same mask
+    object to every layer of a forward, so the last one made is kept and served again."""
+    global _LAST_MASK
+    last = _LAST_MASK  # one read: another thread may replace it meanwhile
+    if reuse and last[0] is visible and last[1] == (dtype, groups):
+        return last[2]
+    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))
+    if groups > 1 and mask.shape[-2] > 1:
+        mask = mask.repeat(1, 1, groups, 1)
+    if reuse:
+        _LAST_MASK = (visible, (dtype, groups), mask)
+    return mask
+
+
 def fast_segment_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                            valid: torch.Tensor | None = None, scaling: float | None = None,
                            causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`segment_attention` through torch's CPU flash kernel, which also returns the log-sum-exp (float32).
 
-    Grouped-query heads are folded into the query axis (no copy of the keys) when no causal mask ties a query to
-    its position; `valid` (bool, True = attend, broadcast to (b, 1, t, s)) and `causal` (queries aligned with the
-    segment's last t keys) become one additive mask. Inference only; float64, GPU tensors and autograd go to
-    `segment_attention`. Returns (out (b, h, t, d) in the query's dtype, lse (b, h, t) float32)."""
-    if (query.dtype not in _FLASH_DTYPES or query.device.type != "cpu" or torch.is_grad_enabled()
-            or keys.dtype != query.dtype):
+    Grouped-query heads are folded into the query axis, (b, h, t, d) → (b, kv_heads, groups·t, d), so the keys
+    are never copied per head (transformers' SDPA path repeats them whenever a mask is given); a per-query mask is
+    tiled to match. `valid` (bool, True = attend, (b, 1, t, s) or broadcastable) and `causal` (queries aligned
+    with the segment's last t keys) become one additive mask. Inference only; float64, GPU tensors and autograd go
+    to `segment_attention`. Returns (out (b, h, t, d) in the query's dtype, lse (b, h, t) float32)."""
+    if not can_flash(query, keys):
         return segment_attention(query, keys, values, valid, scaling, causal)
     b, h, t, d = query.shape
     kv_heads, s = keys.shape[1], keys.shape[-2]
     if s == 0 or t == 0:  # no keys (an empty system prompt): weight 0 in the merge; the kernel would trap
         return query.new_zeros(b, h, t, values.shape[-1]), torch.full((b, h, t), float("-inf"))
     groups = h // kv_heads
-    visible = valid
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    visible, reuse = valid, valid is not None and valid.dim() == 4
+    if visible is not None and visible.dim() < 4:
+        visible = visible[(None,) * (4 - visible.dim())]
     if causal and t > 1:
         tri = torch.arange(s)[None, :] <= torch.arange(s - t, s)[:, None]
-        visible = tri[None, None] if visible is None else visible & tri
-    mask = None
-    if visible is not None:
-        mask = torch.zeros(visible.shape, dtype=query.dtype).masked_fill(~visible, float("-inf"))
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    if mask is None or mask.shape[-2] == 1:  # no per-query mask: fold the groups into the query axis
-        q = query.reshape(b, kv_heads, groups * t, d)
-        out, lse = flash(q, keys, values, 0.0, False, attn_mask=mask, scale=scaling)
-        return out.reshape(b, h, t, d), lse.reshape(b, h, t)
-    k, v = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
-    return flash(query, k, v, 0.0, False, attn_mask=mask, scale=scaling)
+        visible, reuse = (tri[None, None] if visible is None else visible & tri), False
+    if visible is not None and visible.dim() == 4 and visible.shape[1] != 1:  # a mask per head: no folding
+        mask = _additive_mask(visible, query.dtype, 1, False)
+        k, v = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+        return flash(query, k, v, 0.0, False, attn_mask=mask, scale=scaling)
+    mask = None if visible is None else _additive_mask(visible, query.dtype, groups, reuse)
+    q = query.reshape(b, kv_heads, groups * t, d)
+    out, lse = flash(q, keys, values, 0.0, False, attn_mask=mask, scale=scaling)
+    return out.reshape(b, h, t, d), lse.reshape(b, h, t)

@@ -38,7 +38,8 @@ def run_batch(cfg: ServeConfig, session: EdgeSession, progress=None) -> list[dic
     (one JSON object per line, in input order)."""
     rows = read_batch(cfg.batch, cfg)
     advance = Steps(progress).task("requests", len(rows))
-    engine = Engine(session, max_batch=cfg.max_batch, max_queue=max(len(rows), 1))
+    # inline: the steps run on this thread, which built the session (one OpenMP pool; see Engine)
+    engine = Engine(session, max_batch=cfg.max_batch, max_queue=max(len(rows), 1), background=False)
     try:
         done = engine.generate_all([GenRequest(session.encode_user(prompt), params) for _, prompt, params in rows],
                                    on_done=advance)

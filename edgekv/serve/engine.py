@@ -21,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -31,6 +32,7 @@ from edgekv.models.structure import attn_shape
 from edgekv.serve.session import EdgeSession, SamplingParams, pick_token
 
 log = logging.getLogger("edgekv")
+T = TypeVar("T")
 
 
 TRIM_EVERY = 128  # steps between returning freed heap pages to the OS
@@ -127,10 +129,37 @@ class Sequence:
         self.layer_wait = 0.0
 
 
+def on_fresh_thread(fn: Callable[..., T], *args, **kwargs) -> T:
+    """fn(*args, **kwargs) on a new thread that ends with it; its result, or its exception re-raised here. Model
+    work done this way (loading, a session's prefill) leaves no OpenMP pool behind on the calling thread, so a
+    serving engine's thread keeps the process's only one (see `Engine`)."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["out"] = fn(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread as is
+            box["exc"] = exc
+
+    thread = threading.Thread(target=run, name="edgekv-setup")
+    thread.start()
+    thread.join()
+    if "exc" in box:
+        raise box["exc"]
+    return box["out"]
+
+
 class Engine:
     """Owns the session's model on one thread; `submit` queues a request, `cancel` drops one."""
 
-    def __init__(self, session: EdgeSession, max_batch: int = 32, max_queue: int = 256, max_step_tokens: int = 512):
+    def __init__(self, session: EdgeSession, max_batch: int = 32, max_queue: int = 256, max_step_tokens: int = 512,
+                 background: bool = True):
+        """`background=False`: no thread of its own; `generate`/`generate_all` run the steps on the caller's
+        thread. On a machine with as many cores as torch threads, every thread that has run a forward keeps an
+        OpenMP pool, and two live pools make libgomp throttle its spin-waits to ~100 spins: each of the hundreds
+        of parallel regions of a forward then pays a futex wake-up (the default edge's 64-token splice: 216 →
+        262 ms on this project's 2-core CPU). A process that computes on one thread anyway (a batch file, a
+        bench) drives the engine inline and keeps one pool."""
         if max_batch < 1 or max_queue < 1 or max_step_tokens < 1:
             raise EdgeKVError("max_batch, max_queue and max_step_tokens must be ≥ 1")
         self.session, self.max_batch, self.max_queue = session, max_batch, max_queue
@@ -146,8 +175,9 @@ class Engine:
         self.stats = {"requests": 0, "finished": 0, "cancelled": 0, "errors": 0, "prompt_tokens": 0,
                       "completion_tokens": 0, "steps": 0, "batched_tokens": 0, "ttft_s": deque(maxlen=10_000)}
         self._stop = False
-        self.thread = threading.Thread(target=self._loop, name="edgekv-engine", daemon=True)
-        self.thread.start()
+        self.thread = threading.Thread(target=self._loop, name="edgekv-engine", daemon=True) if background else None
+        if self.thread is not None:
+            self.thread.start()
 
     # ----------------------------------------------------------------------------------------- the API side
 
@@ -179,8 +209,8 @@ class Engine:
         return self.generate_all([req])[0]
 
     def generate_all(self, reqs: list[GenRequest], on_done: Callable[[], None] | None = None) -> list[Result]:
-        """Submit every request (they decode together) and wait for all; results in input order. `on_done` is
-        called once per finished request, on the caller's thread (a progress bar)."""
+        """Submit every request (they decode together) and wait for all (inline: run them); results in input
+        order. `on_done` is called once per finished request, on the caller's thread (a progress bar)."""
         results: list[Result | None] = [None] * len(reqs)
         finished = threading.Semaphore(0)
 
@@ -193,10 +223,19 @@ class Engine:
 
         for n, req in enumerate(reqs):
             self.submit(req, on_event(n))
-        for _ in reqs:
-            finished.acquire()
-            if on_done is not None:
-                on_done()
+        pending = len(reqs)
+
+        def collect(block: bool) -> None:
+            nonlocal pending
+            while pending and finished.acquire(blocking=block):
+                pending -= 1
+                if on_done is not None:
+                    on_done()
+
+        if self.thread is None:  # inline: this thread runs the steps until every request is done
+            while self._advance(wait=False):
+                collect(False)
+        collect(True)
         return results
 
     def load(self) -> dict[str, int]:
@@ -212,33 +251,41 @@ class Engine:
         with self.cv:
             self._stop = True
             self.cv.notify()
-        self.thread.join(timeout=30)
+        if self.thread is not None:
+            self.thread.join(timeout=30)
 
     # ----------------------------------------------------------------------------------------- the loop
 
     def _loop(self) -> None:
-        while True:
-            with self.cv:
-                while not self._stop and not self.waiting and not self.running:
-                    self.cv.wait()
-                if self._stop:
-                    for seq in [*self.waiting, *self.running]:
-                        self._finish(seq, "cancelled")
-                    return
-                admitted = []
-                while self.waiting and len(self.running) + len(admitted) < self.max_batch:
-                    admitted.append(self.waiting.popleft())
-            try:
-                self._step(admitted)
-                if self.stats["steps"] % TRIM_EVERY == 0:
-                    _trim_heap()
-            except Exception as exc:  # keep serving: the step's requests fail, the engine lives
-                log.exception("engine step failed")
-                self.stats["errors"] += 1
-                for seq in [*admitted, *self.running]:
-                    if seq.finish is None:
-                        self._finish(seq, "error", f"internal error: {type(exc).__name__}: {exc}")
-                self.running = []
+        while self._advance(wait=True):
+            pass
+
+    def _advance(self, wait: bool) -> bool:
+        """Admit what fits and run one step; False when the loop should end (stopped, or nothing left inline)."""
+        with self.cv:
+            while wait and not self._stop and not self.waiting and not self.running:
+                self.cv.wait()
+            if self._stop:
+                for seq in [*self.waiting, *self.running]:
+                    self._finish(seq, "cancelled")
+                return False
+            if not self.waiting and not self.running:
+                return False
+            admitted = []
+            while self.waiting and len(self.running) + len(admitted) < self.max_batch:
+                admitted.append(self.waiting.popleft())
+        try:
+            self._step(admitted)
+            if self.stats["steps"] % TRIM_EVERY == 0:
+                _trim_heap()
+        except Exception as exc:  # keep serving: the step's requests fail, the engine lives
+            log.exception("engine step failed")
+            self.stats["errors"] += 1
+            for seq in [*admitted, *self.running]:
+                if seq.finish is None:
+                    self._finish(seq, "error", f"internal error: {type(exc).__name__}: {exc}")
+            self.running = []
+        return True
 
     @torch.no_grad()
     def _step(self, admitted: list[Sequence]) -> None:
