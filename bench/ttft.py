@@ -7,7 +7,8 @@ Conditions (S system + U user tokens, bf16, one request at a time):
 - deep-copy baseline: prefill the system prompt once, `copy.deepcopy` its DynamicCache per request, forward U;
 - spliced same-model: an `EdgeSession` on a same-model export (split m), warm (all layers in);
 - spliced heterogeneous: an `EdgeSession` on a cloud export (the compress defaults), warm;
-- engine same-model: the serving engine (relay attention through the CPU flash kernel) on the same session;
+- engine same-model: the serving engine (relay attention through the CPU flash kernel) on the same session,
+  driven inline (`background=False`): every condition computes on the main thread, one OpenMP pool;
 - cold start with the shallow layers from a peer edge's same-model export vs the local shallow prefill;
 - cold pipelined: a fresh session per request with the link emulator set so that transfer ≈ compute; per-layer
   compute and transfer are measured and the pipeline model's predicted TTFT is compared with the measured one.

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgekv import EdgeKVError
-from edgekv.serve.engine import Engine
+from edgekv.serve.engine import Engine, on_fresh_thread
 from edgekv.serve.session import EdgeSession
 
 
@@ -82,7 +82,8 @@ class ExportPool:
             entry = self.entries[model_id]
             entry.last_used = time.monotonic()
             if entry.engine is None:
-                session = self.open_session(entry.source)
+                # an HTTP worker thread lives on: the prefill runs on a thread that ends (one OpenMP pool per engine)
+                session = on_fresh_thread(self.open_session, entry.source)
                 entry.engine = Engine(session, self.max_batch, self.max_queue)
                 entry.kv_bytes = session.system_kv_bytes
                 self.stats["loads"] += 1
