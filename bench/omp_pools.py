@@ -1,5 +1,5 @@
 """Bench what a second OpenMP pool costs the serving engine: serve-edge's session opened on the main thread (which
-then keeps a libgomp pool beside the engine thread's) against opened on a thread that ends (`on_fresh_thread`,
+then keeps a libgomp pool beside the engine thread's) against opened on a thread that ends (`open_session`,
 what serve-edge does), each in a fresh process, alternated.
 
     python -m bench.omp_pools [--rounds 2] [--requests 9]
@@ -25,13 +25,14 @@ def measure(mode: str, requests: int) -> dict:
     """One process's figures; `mode` is main or fresh."""
     import torch
 
-    from edgekv.serve.engine import Engine, GenRequest, on_fresh_thread
-    from edgekv.serve.serve_job import ServeConfig, open_session
+    from edgekv.serve.engine import Engine, GenRequest
+    from edgekv.serve.serve_job import ServeConfig, _open, open_session
     from edgekv.serve.session import SamplingParams
     from edgekv.texts import sharegpt_texts
 
     cfg = ServeConfig(kv=str(WORK / "kv-same"), cache_dir=str(WORK / "cache"))
-    session = on_fresh_thread(open_session, cfg) if mode == "fresh" else open_session(cfg)
+    # open_session works on a thread that ends; `_open` is the same work on this thread (the two-pool case)
+    session = open_session(cfg) if mode == "fresh" else _open(cfg)
     session.wait_loaded()
     tok = session.edge.tokenizer
     users = [torch.tensor(ids[:64]) for ids in (tok(t, add_special_tokens=False)["input_ids"]

@@ -10,7 +10,6 @@ import typer
 from cli.common import console, one_line_errors, progress_bar
 from edgekv.config import load_config
 from edgekv.serve.batch import run_batch
-from edgekv.serve.engine import on_fresh_thread
 from edgekv.serve.http_server import serve
 from edgekv.serve.pool import ExportPool
 from edgekv.serve.serve_job import ServeConfig, open_server, open_session
@@ -60,8 +59,7 @@ def serve_edge(
                      max_batch=max_batch, max_queue=max_queue, served_model_name=served_model_name,
                      max_kv_mb=max_kv_mb, peer_kv=peer_kv, prepack=prepack)
     cfg = load_config(ServeConfig, "serve_edge", config, overrides)
-    # the HTTP server's engine threads compute; loading on a thread that ends leaves them the only OpenMP pool
-    session = open_session(cfg) if cfg.batch else on_fresh_thread(open_session, cfg)
+    session = open_session(cfg)
     if isinstance(session, ExportPool):
         console.print(f"edge {cfg.edge}: {len(session.ids())} exports ({', '.join(session.ids())}), "
                       f"{session.held_bytes() / 2**20:.1f} MiB of system KV loaded")

@@ -10,7 +10,7 @@ from edgekv import EdgeKVError
 from edgekv.config import command_config
 from edgekv.models.loading import DTYPES, load_model
 from edgekv.models.prepack import prepack_linears
-from edgekv.serve.engine import limit_onednn_cache
+from edgekv.serve.engine import limit_onednn_cache, on_fresh_thread
 from edgekv.serve.http_server import EdgeServer
 from edgekv.serve.pipeline import Link
 from edgekv.serve.pool import ExportPool, expand_sources, export_id
@@ -95,8 +95,14 @@ class ServeConfig:
 
 def open_session(cfg: ServeConfig) -> EdgeSession | ExportPool:
     """Load the edge model and open the KV source (pipelined loading starts at once); with several exports, a
-    pool that opens (and verifies) each one now and keeps within --max-kv-mb."""
+    pool that opens (and verifies) each one now and keeps within --max-kv-mb. The work runs on a thread that
+    ends, so the thread that then computes (an engine's, or the caller's for --batch) keeps the process's only
+    OpenMP pool (see `Engine`)."""
     cfg.validate()
+    return on_fresh_thread(_open, cfg)
+
+
+def _open(cfg: ServeConfig) -> EdgeSession | ExportPool:
     limit_onednn_cache()  # before the first matmul of this process (the session's prefill)
     edge = load_model(cfg.edge, cfg.dtype)
     if cfg.prepack:
