@@ -25,9 +25,8 @@ def measure(mode: str, requests: int) -> dict:
     """One process's figures; `mode` is main or fresh."""
     import torch
 
-    from edgekv.serve.engine import Engine, GenRequest
+    from edgekv.serve.engine import Engine, GenRequest, SamplingParams
     from edgekv.serve.serve_job import ServeConfig, _open, open_session
-    from edgekv.serve.session import SamplingParams
     from edgekv.texts import sharegpt_texts
 
     cfg = ServeConfig(kv=str(WORK / "kv-same"), cache_dir=str(WORK / "cache"))

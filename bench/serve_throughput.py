@@ -30,9 +30,9 @@ from transformers import GenerationConfig
 from edgekv.atomic import write_text_atomic
 from edgekv.models.loading import load_model
 from edgekv.models.prepack import prepack_linears
-from edgekv.serve.engine import Engine, GenRequest, on_fresh_thread
+from edgekv.serve.engine import Engine, GenRequest, SamplingParams, on_fresh_thread
 from edgekv.serve.http_server import percentile
-from edgekv.serve.session import EdgeSession, SamplingParams
+from edgekv.serve.session import EdgeSession
 from edgekv.texts import iter_sharegpt, sharegpt_texts
 
 
@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
     # OpenMP pool is alive at a time (two throttle each other's spin-waits on this 2-core machine; see Engine)
     session = on_fresh_thread(setup)
     edge = session.edge
-    session._eos_ids = lambda: set()  # every answer has --answer tokens
-    system = session.system_ids
+    session.eos_ids = set()  # every answer has --answer tokens
+    system = session.system.system_ids
     levels = [int(c) for c in args.clients.split(",")]
     pool = user_prompts(edge.tokenizer, max(levels))
     rows = []

@@ -32,9 +32,9 @@ from edgekv.kv.compress_job import CompressConfig, run_compress
 from edgekv.models.loading import load_model
 from edgekv.models.prepack import prepack_linears
 from edgekv.models.structure import decoder_layers
-from edgekv.serve.engine import Engine, GenRequest
+from edgekv.serve.engine import Engine, GenRequest, SamplingParams
 from edgekv.serve.pipeline import Link, overlap_efficiency, predict_ttft
-from edgekv.serve.session import EdgeSession, SamplingParams
+from edgekv.serve.session import EdgeSession
 from edgekv.texts import sharegpt_texts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,9 +169,9 @@ def main() -> None:
 
     # ---- cold, pipelined, link emulator set so that transfer ≈ compute
     per_layer, head = user_layer_times(same, users[0])
-    shallow = statistics.median([EdgeSession(edge, str(same_kv), cache_dir=work / "cache").timings[
+    shallow = statistics.median([EdgeSession(edge, str(same_kv), cache_dir=work / "cache").system.timings[
         "shallow_prefill_s"] for _ in range(3)])
-    deep_bytes = [e.bytes for e in same.loader.events]
+    deep_bytes = [e.bytes for e in same.system.loader.events]
     compute = shallow + sum(per_layer) + head
     bandwidth = sum(deep_bytes) * 8 / compute / 1e6
     link = Link(bandwidth_mbps=bandwidth, latency_ms=0.0)
@@ -183,8 +183,9 @@ def main() -> None:
         done = session.complete(users[rep % 3], SamplingParams(max_new_tokens=1))
         ttft = built + done.ttft_s  # to the first token's logits; not the bookkeeping after it
         session.wait_loaded()
-        transfer = [link.seconds(e.bytes) + e.decode_s for e in session.loader.events]
-        model_ = predict_ttft(session.timings["shallow_prefill_s"], per_layer, transfer, session.start_layer, head)
+        transfer = [link.seconds(e.bytes) + e.decode_s for e in session.system.loader.events]
+        model_ = predict_ttft(session.system.timings["shallow_prefill_s"], per_layer, transfer,
+                              session.system.start_layer, head)
         measured.append(ttft)
         predicted.append(model_["predicted_s"])
         serial.append(model_["serial_s"])
@@ -219,14 +220,14 @@ def main() -> None:
 
     # ---- bf16 exactness of the same-model splice
     agree, diffs = [], []
-    same._eos_ids = lambda: set()
+    same.eos_ids = set()
     for u in users:
         full = torch.cat([sys_ids, u])[None]
         with torch.no_grad():
             want_logits = model(full, logits_to_keep=1).logits[0, -1].float()
             want = model.generate(full, max_new_tokens=32, do_sample=False, eos_token_id=None,
                                   pad_token_id=0)[0, full.shape[1]:].tolist()
-            got_logits = model(u[None], past_key_values=same.new_cache(), position_ids=positions,
+            got_logits = model(u[None], past_key_values=same.system.request_cache(), position_ids=positions,
                                logits_to_keep=1).logits[0, -1].float()
         got = same.complete(u, SamplingParams(max_new_tokens=32)).token_ids
         diffs.append(float((got_logits - want_logits).abs().max()))

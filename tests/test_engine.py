@@ -7,8 +7,8 @@ import torch
 
 from edgekv.attention.merge import segment_attention
 from edgekv.attention.relay import RelayBatch, relay_attention
-from edgekv.serve.engine import Engine, EngineBusy, GenRequest
-from edgekv.serve.session import EdgeSession, SamplingParams
+from edgekv.serve.engine import Engine, EngineBusy, GenRequest, SamplingParams
+from edgekv.serve.session import EdgeSession
 from tests.test_serving import USERS, _export, edge, edge_dir  # noqa: F401 (fixtures)
 
 PROMPTS = USERS + ["User: a much longer question about caches, layers, heads and the way the edge decodes " * 2,
@@ -18,7 +18,7 @@ PROMPTS = USERS + ["User: a much longer question about caches, layers, heads and
 @pytest.fixture()
 def session(edge, edge_dir, tmp_path):  # noqa: F811 (the imported fixtures)
     s = EdgeSession(edge, str(_export(edge_dir, tmp_path / "kv", 1)), cache_dir=tmp_path / "c")
-    s._eos_ids = lambda: set()  # compare every token even past an EOS
+    s.eos_ids = set()  # compare every token even past an EOS
     return s
 
 

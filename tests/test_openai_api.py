@@ -7,8 +7,9 @@ import urllib.request
 import openai
 import pytest
 
+from edgekv.serve.engine import SamplingParams
 from edgekv.serve.http_server import EdgeServer
-from edgekv.serve.session import EdgeSession, SamplingParams
+from edgekv.serve.session import EdgeSession
 from tests.test_serving import USERS, _export, edge, edge_dir  # noqa: F401 (fixtures)
 
 KEY = "sk-test-edgekv"
@@ -140,7 +141,7 @@ def test_many_exports_per_server_and_a_memory_budget(edge, edge_dir, tmp_path): 
     _export(edge_dir, folder / "support", 1)
     _export(edge_dir, folder / "legal", 1, system="System: you answer questions about contracts, tersely. ")
     one = EdgeSession(edge, str(folder / "support"), cache_dir=tmp_path / "c")
-    budget_mb = one.system_kv_bytes * 1.5 / 2**20  # room for one export's system KV, not two
+    budget_mb = one.system.nbytes * 1.5 / 2**20  # room for one export's system KV, not two
     cfg = ServeConfig(edge=edge_dir, kv=str(folder), dtype="float32", port=1, max_kv_mb=budget_mb,
                       cache_dir=str(tmp_path / "c"), max_tokens_limit=16, max_new_tokens=8)
     pool = open_session(cfg)

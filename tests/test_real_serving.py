@@ -5,7 +5,8 @@ import torch
 
 from edgekv.kv.compress_job import CompressConfig, run_compress
 from edgekv.models.loading import load_model
-from edgekv.serve.session import EdgeSession, SamplingParams
+from edgekv.serve.engine import SamplingParams
+from edgekv.serve.session import EdgeSession
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +24,7 @@ def test_spliced_greedy_equals_generate_float32(tmp_path, start_layer):
                                 dtype="float32", quant="fp32", start_layer=start_layer))
     edge = load_model("default-edge", "float32")
     session = EdgeSession(edge, str(out), cache_dir=tmp_path / "cache")
-    session._eos_ids = lambda: set()  # compare all 32 tokens
+    session.eos_ids = set()  # compare all 32 tokens
     for user in USERS:
         ids = edge.tokenizer(SYSTEM)["input_ids"] + edge.tokenizer(user, add_special_tokens=False)["input_ids"]
         full = torch.tensor(ids)[None]
@@ -32,7 +33,7 @@ def test_spliced_greedy_equals_generate_float32(tmp_path, start_layer):
             want = edge.model.generate(full, max_new_tokens=32, do_sample=False, eos_token_id=None,
                                        pad_token_id=0)[0, full.shape[1]:].tolist()
             u = session.encode_user(user)
-            got_logits = edge.model(u[None], past_key_values=session.new_cache(), position_ids=torch.arange(
+            got_logits = edge.model(u[None], past_key_values=session.system.request_cache(), position_ids=torch.arange(
                 session.prefix_len, session.prefix_len + len(u))[None]).logits[0, -1]
         assert (got_logits - want_logits).abs().max() < 1e-4
         assert session.complete(user, SamplingParams(max_new_tokens=32)).token_ids == want
@@ -60,7 +61,7 @@ def test_fuse_export_with_shut_gates_decodes_as_the_edge_alone_float32(tmp_path)
     alone = EdgeSession(edge, None, SYSTEM)
     assert fused.describe()["fused_layers"] == [22, 23]
     for session in (fused, alone):
-        session._eos_ids = lambda: set()
+        session.eos_ids = set()
     for user in USERS:
         got, want = (s.complete(user, SamplingParams(max_new_tokens=24)) for s in (fused, alone))
         assert (got.first_logits - want.first_logits).abs().max() < 1e-4

@@ -17,9 +17,11 @@ from edgekv import EdgeKVError
 from edgekv.kv.compress_job import CompressConfig, run_compress
 from edgekv.kv.export import KVStoreError
 from edgekv.models.loading import load_model
+from edgekv.serve.engine import SamplingParams, pick_token
 from edgekv.serve.http_server import EdgeServer, percentile
 from edgekv.serve.pipeline import Link, overlap_efficiency, predict_ttft
-from edgekv.serve.session import EdgeSession, SamplingParams, pick_token, prefix_kv
+from edgekv.serve.session import EdgeSession
+from edgekv.serve.system_kv import prefix_kv
 from tests.conftest import _save, byte_tokenizer, tiny_qwen2
 
 runner = CliRunner()
@@ -62,16 +64,16 @@ def _reference(edge, user, n):
 @pytest.mark.parametrize("start_layer", [0, 1, 2])
 def test_spliced_greedy_equals_generate_on_the_concatenation(edge, edge_dir, tmp_path, start_layer):
     session = EdgeSession(edge, str(_export(edge_dir, tmp_path / "kv", start_layer)), cache_dir=tmp_path / "c")
-    assert session.start_layer == start_layer
+    assert session.system.start_layer == start_layer
     for user in USERS:
         want, logits = _reference(edge, user, 24)
         user_ids = session.encode_user(user)
         with torch.no_grad():
-            first = edge.model(user_ids[None], past_key_values=session.new_cache(),
+            first = edge.model(user_ids[None], past_key_values=session.system.request_cache(),
                                position_ids=torch.arange(session.prefix_len, session.prefix_len + len(user_ids))[None]
                                ).logits[0, -1]
         assert (first - logits).abs().max() < 1e-4
-        session._eos_ids = lambda: set()  # compare the full 24 tokens even past an EOS
+        session.eos_ids = set()  # compare the full 24 tokens even past an EOS
         got = session.complete(user, SamplingParams(max_new_tokens=24))
         assert got.token_ids == want
     assert session.describe()["layer_sources"] == ["export"]
@@ -80,12 +82,12 @@ def test_spliced_greedy_equals_generate_on_the_concatenation(edge, edge_dir, tmp
 def test_the_system_kv_is_shared_not_copied(edge, export, tmp_path):
     session = EdgeSession(edge, str(export), cache_dir=tmp_path)
     session.wait_loaded()
-    caches = [session.new_cache() for _ in range(3)]
+    caches = [session.system.request_cache() for _ in range(3)]
     for cache in caches:
         edge.model(session.encode_user("hi")[None], past_key_values=cache,
                    position_ids=torch.arange(session.prefix_len, session.prefix_len + 2)[None])
     for i in range(session.num_layers):
-        shared = session.layer_kv(i)[0]
+        shared = session.system.layer(i)[0]
         assert all(c.layers[i]._prefix()[0] is shared for c in caches)
         assert all(c.layers[i].keys.shape[-2] == 2 for c in caches)  # each request stores only its own tokens
 
@@ -130,7 +132,7 @@ def test_link_emulator_paces_transfers(edge, export, tmp_path):
     link = Link(bandwidth_mbps=2.0, latency_ms=20)
     session = EdgeSession(edge, str(export), link=link, cache_dir=tmp_path)
     session.wait_loaded()
-    events = session.loader.events
+    events = session.system.loader.events
     assert [e.layer for e in events] == [1, 2]
     for e in events:
         assert e.fetch_s >= link.seconds(e.bytes) * 0.99
@@ -150,7 +152,7 @@ def test_corrupt_layer_mid_stream_falls_back_and_still_answers(edge, edge_dir, t
     with caplog.at_level(logging.WARNING, logger="edgekv"):
         session = EdgeSession(edge, str(out), cache_dir=tmp_path / "none")
         got = session.complete(USERS[0], SamplingParams(max_new_tokens=10))
-    sources = {e.layer: e.source for e in session.loader.events}
+    sources = {e.layer: e.source for e in session.system.loader.events}
     assert sources == {1: "export", 2: "local-prefill"}
     assert "layer 2" in caplog.text and "sha256 mismatch" in caplog.text
     want, _ = _reference(edge, USERS[0], 10)
@@ -171,9 +173,9 @@ def test_sinks_and_tar_exports(edge, edge_dir, tmp_path):
     out = _export(edge_dir, tmp_path / "kv.tar", start_layer=1, tar=True)
     session = EdgeSession(edge, str(out), cache_dir=tmp_path, local_sink_tokens=3)
     session.wait_loaded()
-    own = prefix_kv(edge.model, session.system_ids)
+    own = prefix_kv(edge.model, session.system.system_ids)
     for i in (1, 2):
-        assert torch.allclose(session.layer_kv(i)[0], own[i][0], atol=1e-5)  # same model: sinks or not
+        assert torch.allclose(session.system.layer(i)[0], own[i][0], atol=1e-5)  # same model: sinks or not
 
 
 # ------------------------------------------------------------------------------------------- remote + privacy
@@ -251,12 +253,12 @@ def test_unreachable_source_falls_back_to_the_last_verified_copy(edge, http_expo
         time.sleep(0.05)
     handler.fail_after = 0  # the cloud is now down
     again = EdgeSession(edge, url, cache_dir=tmp_path)
-    assert again.source == "local-copy"
+    assert again.system.source == "local-copy"
     assert again.complete(USERS[2], SamplingParams(max_new_tokens=8)).token_ids == want
     with pytest.raises(EdgeKVError, match="no --system-prompt"):
         EdgeSession(edge, url, cache_dir=tmp_path / "empty")
     local = EdgeSession(edge, url, system_prompt=SYSTEM, cache_dir=tmp_path / "empty")
-    assert local.source == "local-prefill"
+    assert local.system.source == "local-prefill"
     assert local.complete(USERS[2], SamplingParams(max_new_tokens=8)).token_ids == want
 
 
@@ -265,8 +267,8 @@ def test_failure_mid_stream_over_http_falls_back(edge, http_export, tmp_path):
     handler.fail_after = 2  # manifest and layer 1 arrive, layer 2 fails
     session = EdgeSession(edge, url, cache_dir=tmp_path)
     got = session.complete(USERS[0], SamplingParams(max_new_tokens=6))
-    assert {e.layer: e.source for e in session.loader.events} == {1: "export", 2: "local-copy"} or \
-        {e.layer: e.source for e in session.loader.events} == {1: "export", 2: "local-prefill"}
+    assert {e.layer: e.source for e in session.system.loader.events} == {1: "export", 2: "local-copy"} or \
+        {e.layer: e.source for e in session.system.loader.events} == {1: "export", 2: "local-prefill"}
     assert len(got.token_ids) > 0
 
 

@@ -24,8 +24,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from edgekv.attention.merge import fast_segment_attention, merge_attention
-
-KVPair = tuple[torch.Tensor, torch.Tensor]
+from edgekv.models.structure import KVPair
 
 
 @dataclass

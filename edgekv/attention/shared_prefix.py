@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from transformers.cache_utils import DynamicLayer
 
-KVPair = tuple[torch.Tensor, torch.Tensor]
+from edgekv.models.structure import KVPair
 
 
 class SharedPrefixLayer(DynamicLayer):

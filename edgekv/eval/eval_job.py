@@ -30,22 +30,19 @@ from pathlib import Path
 import torch
 
 from edgekv import EdgeKVError
-from edgekv.align.mapping import STRATEGIES as MAPPINGS
 from edgekv.atomic import write_text_atomic
 from edgekv.config import command_config, to_dict
-from edgekv.eval.datasets import DATASETS, TRUNCATIONS, Request, load_requests, truncate_prompt
+from edgekv.eval.datasets import DATASETS, TRUNCATIONS, Request, load_requests
 from edgekv.eval.metrics import BertScore, option_choice, rouge_l, upload_ratio
-from edgekv.kv.codecs import SCHEMES
-from edgekv.kv.compress_job import CompressConfig, _calibration, get_translator, resolve_pairs, run_compress
+from edgekv.eval.strategies import KVStrategy, parse_strategy
+from edgekv.kv.compress_job import _calibration, get_translator, resolve_pairs, run_compress
 from edgekv.kv.translators import TRANSLATORS, save_translator
 from edgekv.models.loading import DTYPES, LoadedModel, check_tokenizers, load_model
 from edgekv.progress import Steps
+from edgekv.serve.engine import SamplingParams
 from edgekv.serve.pipeline import Link
-from edgekv.serve.session import EdgeSession, SamplingParams
 
 log = logging.getLogger("edgekv")
-BASE_STRATEGIES = ("cloud-only", "edge-only", "edge-naive", "edgeprompt", "ce-lslm", "ce-lslm-fuse")
-SPLICES = ("edgeprompt", "ce-lslm", "ce-lslm-fuse")  # the strategies that answer on a KV export
 
 
 @command_config("eval")
@@ -100,7 +97,7 @@ class EvalConfig:
             if d not in DATASETS:
                 raise EdgeKVError(f"unknown dataset '{d}' (choose from {', '.join(DATASETS)})")
         for s in self.strategies:
-            parse_strategy(s)
+            parse_strategy(s).validate(self)
         if self.shard is not None:
             parse_shard(self.shard)
             if self.load_rates:
@@ -120,42 +117,8 @@ class EvalConfig:
             raise EdgeKVError(f"load_dataset '{self.load_dataset}' is not among the datasets evaluated")
         if self.translator not in TRANSLATORS:
             raise EdgeKVError(f"unknown translator '{self.translator}' (choose from {', '.join(TRANSLATORS)})")
-        if "ce-lslm-fuse" in self.strategies and not self.fuser_path:
-            raise EdgeKVError("strategy ce-lslm-fuse needs fuser_path (a trained fuser, e.g. from "
-                              "`edgekv train-fuser`)")
         if self.translator == "trained" and not self.translator_path:
             raise EdgeKVError("translator 'trained' needs translator_path (a checkpoint of bench.train_translator)")
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """A strategy name taken apart: base, mapping variant (ce-lslm:<mapping>), ThinK ratio and codec overrides."""
-
-    name: str
-    base: str
-    variant: str = ""
-    prune_ratio: float | None = None
-    quant: str | None = None
-
-
-def parse_strategy(name: str) -> Strategy:
-    """`base[:mapping][@ratio/codec]` → Strategy; one-line error for anything else."""
-    head, _, knobs = name.partition("@")
-    base, _, variant = head.partition(":")
-    usage = (f"unknown strategy '{name}' (choose from {', '.join(BASE_STRATEGIES)}, ce-lslm:<{'|'.join(MAPPINGS)}>, "
-             "and for edgeprompt/ce-lslm[:mapping] an @RATIO/CODEC suffix such as ce-lslm@0.25/int4)")
-    if base not in BASE_STRATEGIES or (variant and (base != "ce-lslm" or variant not in MAPPINGS)):
-        raise EdgeKVError(usage)
-    if not knobs:
-        return Strategy(name, base, variant)
-    ratio, _, quant = knobs.partition("/")
-    try:
-        r = float(ratio)
-    except ValueError:
-        raise EdgeKVError(usage) from None
-    if base not in ("edgeprompt", "ce-lslm") or quant not in SCHEMES or not 0.0 <= r < 1.0:
-        raise EdgeKVError(usage)
-    return Strategy(name, base, variant, r, quant)
 
 
 def parse_shard(shard: str) -> tuple[int, int]:
@@ -243,7 +206,8 @@ class Runner:
             return self.translators[variant]
         path = self.out / "work" / f"translator-{self.cfg.translator}-{variant or 'similarity'}"
         if not (path / "translator.json").exists():
-            ccfg = self._compress_cfg("ce-lslm:" + variant if variant else "ce-lslm", "unused", "unused")
+            st = parse_strategy("ce-lslm:" + variant if variant else "ce-lslm")
+            ccfg = st.compress_config(self, "unused", "unused")
             ccfg.translator_path = None
             pairs, _ = resolve_pairs(ccfg, self.cloud.num_layers, self.edge.num_layers, same=False)
             translator, _ = get_translator(ccfg, self.cloud, self.edge, pairs, _calibration(ccfg, self.edge.tokenizer),
@@ -252,50 +216,25 @@ class Runner:
         self.translators[variant] = str(path)
         return str(path)
 
-    def _compress_cfg(self, strategy: str, out: str, system_prompt: str) -> CompressConfig:
-        st = parse_strategy(strategy)
-        if st.base == "edgeprompt":  # EdgePrompt: every layer's prompt KV from the cloud, stored losslessly
-            cfg = CompressConfig(out=out, cloud=self.cfg.edge, edge=self.cfg.edge, dtype=self.cfg.dtype,
-                                 system_prompt=system_prompt, start_layer=0, quant="bf16"
-                                 if self.cfg.dtype == "bfloat16" else "fp32")
-        elif st.base == "ce-lslm-fuse":  # the fuser's own pairs and open gates decide which layers ship
-            name = json.loads((Path(self.cfg.fuser_path) / "translator.json").read_text())["name"]
-            cfg = CompressConfig(out=out, cloud=self.cfg.cloud, edge=self.cfg.edge, dtype=self.cfg.dtype,
-                                 system_prompt=system_prompt, prune_ratio=self.cfg.prune_ratio,
-                                 quant=self.cfg.quant, translator=name, translator_path=self.cfg.fuser_path,
-                                 splice="fuse")
-        else:
-            cfg = CompressConfig(out=out, cloud=self.cfg.cloud, edge=self.cfg.edge, dtype=self.cfg.dtype,
-                                 system_prompt=system_prompt, mapping=self.mapping_path(st.variant),
-                                 prune_ratio=self.cfg.prune_ratio, quant=self.cfg.quant,
-                                 translator=self.cfg.translator, translator_path=self.translators.get(st.variant),
-                                 local_sink_tokens=self.cfg.local_sink_tokens, calib=self.cfg.calib,
-                                 calib_texts=self.cfg.calib_texts, calib_tokens=self.cfg.calib_tokens)
-        if st.prune_ratio is not None:
-            cfg.prune_ratio, cfg.quant = st.prune_ratio, st.quant
-        return cfg
-
-    def export(self, strategy: str, system: str) -> tuple[Path, dict]:
-        """The KV export of a system prompt for a splice strategy (made once per distinct prompt; the cloud side
-        sees only the system prompt)."""
-        key = (strategy, _sha(system))
+    def export(self, strategy: str | KVStrategy, system: str) -> tuple[Path, dict]:
+        """The KV export of a system prompt for a strategy that ships KV (made once per distinct prompt; the cloud
+        side sees only the system prompt)."""
+        st = parse_strategy(strategy) if isinstance(strategy, str) else strategy
+        key = (st.name, _sha(system))
         if key not in self.exports:
-            st = parse_strategy(strategy)
-            if st.base == "ce-lslm":
-                self.translator_path(st.variant)
-            work = self.out / "work" / "exports" / strategy.replace(":", "-").replace("@", "-").replace("/", "-") \
+            st.prepare(self)
+            work = self.out / "work" / "exports" / st.name.replace(":", "-").replace("@", "-").replace("/", "-") \
                 / key[1]
             work.mkdir(parents=True, exist_ok=True)
             prompt_file = work / "system_prompt.txt"
             prompt_file.write_text(system, encoding="utf-8")
-            cfg = self._compress_cfg(strategy, str(work / "kv"), f"@{prompt_file}")
+            cfg = st.compress_config(self, str(work / "kv"), f"@{prompt_file}")
             # variants of one strategy that differ only in ratio/codec share the cloud-side KV of the prompt
             family = (st.base, st.variant, key[1])
             if self._layers_family != family:
                 self._layers_family, self._layers_cache = family, {}
             start = time.perf_counter()
-            models = (self.edge, self.edge) if st.base == "edgeprompt" else (self.cloud, self.edge)
-            report = run_compress(cfg, models=models, layers_cache=self._layers_cache)
+            report = run_compress(cfg, models=(st.cloud_model(self), self.edge), layers_cache=self._layers_cache)
             # a variant that reused the cached cloud KV still cost the cloud that computation once
             cloud_s = time.perf_counter() - start + report["timings"].get("cached_cloud_kv_s", 0.0)
             info = {"cloud_s": cloud_s, "bytes": report["bytes_written"], "cloud_input": system,
@@ -307,37 +246,18 @@ class Runner:
 
     def run(self, strategy: str, req: Request, index: int = 0) -> dict:
         """Answer one request (at `index` of its dataset's sample) with one strategy and measure it."""
-        base = parse_strategy(strategy).base
+        st = parse_strategy(strategy)
         params = SamplingParams(max_new_tokens=self.cfg.max_new_tokens)
-        sent: list[tuple[str, str]] = []  # what this strategy passes to the cloud side
-        cloud_s, bytes_down, network_s, cloud_fp16 = 0.0, 0, 0.0, None
-        if base in SPLICES:
-            export, info = self.export(strategy, req.system)
-            cloud_s, bytes_down, cloud_fp16 = info["cloud_s"], info["bytes"], info["cloud_fp16_bytes"]
-            sent.append(("system", info["cloud_input"]))
-            model = self.edge
-            start = time.perf_counter()
-            session = EdgeSession(model, str(export), link=self.link, cache_dir=self.out / "work" / "kvcache")
-        else:
-            model = self.cloud if base == "cloud-only" else self.edge
-            system = req.system
-            if base == "edge-naive":  # CE-LSLM's naive edge-only: what fits the edge's context budget
-                system = truncate_prompt(model.tokenizer, system, self.cfg.context_budget, self.cfg.naive_keep)
-            start = time.perf_counter()
-            session = EdgeSession(model, None, system_prompt=system)
-            if base == "cloud-only":  # the prompt goes up, tokens come down: modelled link time, added
-                sent += [("system", req.system), ("user", req.user)]
-                network_s = self.link.seconds(len(req.user.encode())) + self.cfg.latency_ms / 1e3
-        built = time.perf_counter() - start
+        a = st.answering(self, req)
+        session, model, network_s = a.session, a.model, a.network_s
         user = session.encode_user(req.user)
         done = session.complete(user, params)
-        ttft = built + done.ttft_s + network_s
-        total = built + done.total_s + network_s
+        ttft = a.built_s + done.ttft_s + network_s
+        total = a.built_s + done.total_s + network_s
         answer = done.text.strip()
         if req.dataset in ("xsum", "mmlu"):  # one-line answers: the reference is one sentence / one option
             answer = answer.split("\n")[0].strip()
-        if base == "cloud-only":
-            bytes_down = len(done.text.encode())
+        bytes_down = len(done.text.encode()) if a.answer_down else a.bytes_down
         scored = req.scored or req.reference
         ref_ids = torch.tensor(model.tokenizer(" " + scored, add_special_tokens=False)["input_ids"]
                                [: self.cfg.reference_tokens])
@@ -346,12 +266,12 @@ class Runner:
             "reference": req.reference, "system_tokens": session.prefix_len, "user_tokens": int(user.numel()),
             "completion_tokens": len(done.token_ids), "ttft_s": ttft, "total_s": total,
             "ms_per_token": 1e3 * (done.total_s - done.ttft_s) / max(1, len(done.token_ids) - 1),
-            "network_s": network_s, "cloud_s": cloud_s, "layer_wait_s": done.layer_wait_s,
-            "bytes_cloud_to_edge": bytes_down, "cloud_fp16_bytes": cloud_fp16,
-            "upload_ratio": upload_ratio(req.user, sent),
+            "network_s": network_s, "cloud_s": a.cloud_s, "layer_wait_s": done.layer_wait_s,
+            "bytes_cloud_to_edge": bytes_down, "cloud_fp16_bytes": a.cloud_fp16_bytes,
+            "upload_ratio": upload_ratio(req.user, a.sent),
             "user_text_in_system_prompt": req.user.strip() in req.system,
             "base_memory_mb": _model_bytes(model) / 2**20, "inference_memory_mb": done.kv_bytes / 2**20,
-            "rss_mb": _rss_mb(), "kv_source": session.source,
+            "rss_mb": _rss_mb(), "kv_source": session.system.source,
             "layer_sources": session.describe()["layer_sources"],
             "ref_nll": session.continuation_nll(user, ref_ids) if ref_ids.numel() else None,
             "rouge_l": rouge_l(answer, req.reference),
@@ -548,14 +468,8 @@ def load_curves(runner: Runner, requests: list[Request], steps: Steps, earlier: 
         if all((strategy, rate) in kept for rate in cfg.load_rates):
             out += [kept[(strategy, rate)] for rate in cfg.load_rates]
             continue
-        base = parse_strategy(strategy).base
-        if base in SPLICES:
-            export, _ = runner.export(strategy, system)
-            session = EdgeSession(runner.edge, str(export), cache_dir=runner.out / "work" / "kvcache")
-            prompts = [r.user for r in requests]
-        else:
-            session = EdgeSession(runner.cloud if base == "cloud-only" else runner.edge, None, system_prompt="")
-            prompts = [system + r.user for r in requests]
+        session, reuses = parse_strategy(strategy).load_session(runner, system)
+        prompts = [r.user if reuses else system + r.user for r in requests]
         session.wait_loaded()
         for rate in cfg.load_rates:
             if (strategy, rate) in kept:

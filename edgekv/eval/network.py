@@ -16,8 +16,9 @@ import torch
 
 from edgekv import EdgeKVError
 from edgekv.models.structure import decoder_layers
+from edgekv.serve.engine import SamplingParams
 from edgekv.serve.pipeline import Link, pipeline_ttft
-from edgekv.serve.session import EdgeSession, SamplingParams
+from edgekv.serve.session import EdgeSession
 
 
 @dataclass
@@ -164,7 +165,7 @@ def measure_profile(edge, cloud, system: str, user_text: str, exports: list[tupl
             ttft, session = cold_ttft(edge, kv, system, user, Link(), cache_dir)
             session.wait_loaded()
             measured.append(ttft)
-            decodes += [e.decode_s for e in session.loader.events]
+            decodes += [e.decode_s for e in session.system.loader.events]
         c = candidate_from_export(kv, strategy)
         p.decode_s.setdefault(c.quant, statistics.median(decodes))
         p.overhead_s[strategy] = 0.0

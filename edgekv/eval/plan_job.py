@@ -23,7 +23,7 @@ from edgekv import EdgeKVError
 from edgekv.atomic import write_text_atomic
 from edgekv.config import command_config, load_config, to_dict
 from edgekv.eval.datasets import load_requests
-from edgekv.eval.eval_job import EvalConfig, Runner, parse_strategy, read_results, rewrite_report
+from edgekv.eval.eval_job import EvalConfig, Runner, read_results, rewrite_report
 from edgekv.eval.network import (
     Candidate,
     Profile,
@@ -36,6 +36,7 @@ from edgekv.eval.network import (
 )
 from edgekv.eval.quality_per_byte import qpb_table, quality_per_byte
 from edgekv.eval.report import paired_to_edge
+from edgekv.eval.strategies import parse_strategy
 from edgekv.kv.compress_job import run_compress
 from edgekv.plots import save_figure
 from edgekv.progress import Steps
@@ -106,7 +107,7 @@ def build_candidates(runner: Runner, system: str, losses: dict[str, dict], split
     out = [Candidate("edge-only")]
     for name, loss in losses.items():
         st = parse_strategy(name)
-        if st.base not in ("edgeprompt", "ce-lslm", "ce-lslm-fuse"):
+        if not st.ships_kv:
             continue
         kv, _ = runner.export(name, system)
         c = candidate_from_export(str(kv), st.base, loss["ci95_hi"] if loss["ci95_hi"] is not None
@@ -127,7 +128,7 @@ def export_for(runner: Runner, c: Candidate, system: str) -> str:
         return str(kv)
     out = Path(kv).parent.parent / f"split-{c.start_layer}"
     if not (out / "manifest.json").exists():
-        cfg = runner._compress_cfg(name, str(out), f"@{Path(kv).parent / 'system_prompt.txt'}")
+        cfg = parse_strategy(name).compress_config(runner, str(out), f"@{Path(kv).parent / 'system_prompt.txt'}")
         cfg.start_layer = c.start_layer
         run_compress(cfg, models=(runner.edge, runner.edge))
     return str(out)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edgekv.eval.eval_job import parse_strategy
 from edgekv.eval.network import pareto
 from edgekv.eval.report import _mean, paired_to_edge
+from edgekv.eval.strategies import parse_strategy
 from edgekv.plots import save_figure
 
 # The compass goal of issue 14: ≥ 8× fewer bytes than the cloud's fp16 KV at ≤ 1 BERTScore point and ≤ 0.02 nats.

@@ -31,9 +31,8 @@ from edgekv.kv.fusers import Fuser
 from edgekv.kv.training import example_index, optimizer_tensors, read_checkpoint, restore_optimizer, write_checkpoint
 from edgekv.kv.translators import HiddenTranslator
 from edgekv.models.capture import capture
+from edgekv.models.structure import KVPair
 from edgekv.texts import HeldOutText
-
-KVPair = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from edgekv.attention.fuse import CloudSegment
-from edgekv.kv.translators import HiddenTranslator, KVPair, RidgeMap, register_translator
-from edgekv.models.structure import attn_shape, rotary_cos_sin, rotate_keys, unrotate_keys
+from edgekv.kv.translators import HiddenTranslator, RidgeMap, register_translator
+from edgekv.models.structure import KVPair, attn_shape, rotary_cos_sin, rotate_keys, unrotate_keys
 
 INIT_BIAS = -6.0  # nearly closed (cloud weight ≈ e⁻⁶ of the own segment's) yet with a usable gradient
 

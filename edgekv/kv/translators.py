@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from edgekv import EdgeKVError
-from edgekv.models.structure import apply_rotary, attn_shape, decoder_layers, split_heads
+from edgekv.models.structure import KVPair, apply_rotary, attn_shape, decoder_layers, split_heads
 
 ALPHAS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # relative to the mean eigenvalue of XᵀX
 
@@ -92,7 +92,6 @@ def fit_ridge(x: torch.Tensor, y: torch.Tensor, text_index: torch.Tensor,
 # A translator turns the cloud's activations over a prompt into edge-space KV for each mapped edge layer:
 # (kv_heads, tokens, head_dim) keys rotated at positions 0.. by the edge's own rotary, and values.
 
-KVPair = tuple[torch.Tensor, torch.Tensor]
 TRANSLATORS: dict[str, type] = {}
 
 

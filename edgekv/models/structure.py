@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+KVPair = tuple[torch.Tensor, torch.Tensor]  # one layer's keys and values, (…, kv_heads, tokens, head_dim)
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """The rotate-half convention of Llama/Qwen rotary embeddings."""

@@ -9,9 +9,9 @@ from pathlib import Path
 from edgekv import EdgeKVError
 from edgekv.atomic import write_text_atomic
 from edgekv.progress import Steps
-from edgekv.serve.engine import Engine, GenRequest
+from edgekv.serve.engine import Engine, GenRequest, SamplingParams
 from edgekv.serve.serve_job import ServeConfig
-from edgekv.serve.session import EdgeSession, SamplingParams
+from edgekv.serve.session import EdgeSession
 
 
 def read_batch(path: str | Path, cfg: ServeConfig) -> list[tuple[str, str, SamplingParams]]:

@@ -21,7 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -29,7 +29,9 @@ from edgekv import EdgeKVError
 from edgekv.attention.fuse import enable_fusion
 from edgekv.attention.relay import RelayBatch, relay_cache
 from edgekv.models.structure import attn_shape
-from edgekv.serve.session import EdgeSession, SamplingParams, pick_token
+
+if TYPE_CHECKING:  # the session imports the engine (it decodes through it); the engine only reads a session
+    from edgekv.serve.session import EdgeSession
 
 log = logging.getLogger("edgekv")
 T = TypeVar("T")
@@ -65,6 +67,46 @@ def _trim_heap() -> None:
         _TRIM(0)
 
 
+@dataclass
+class SamplingParams:
+    """How to pick tokens: greedy at temperature 0, else temperature + nucleus (top_p) sampling, seeded."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def from_request(self, data: dict, limit: int, min_tokens: int = 1) -> SamplingParams:
+        """A request's own values ("max_tokens", "temperature", "top_p", "seed") over these defaults, validated;
+        ValueError/TypeError for values of the wrong type, EdgeKVError for out-of-range ones."""
+        params = SamplingParams(int(data.get("max_tokens", self.max_new_tokens)),
+                                float(data.get("temperature", self.temperature)),
+                                float(data.get("top_p", self.top_p)), int(data.get("seed", self.seed)))
+        params.validate(limit, min_tokens)
+        return params
+
+    def validate(self, limit: int, min_tokens: int = 1) -> None:
+        """One-line errors for out-of-range values (`min_tokens` 0: a prompt scored, nothing generated)."""
+        if not min_tokens <= self.max_new_tokens <= limit:
+            raise EdgeKVError(f"max_tokens must be in [{min_tokens}, {limit}], got {self.max_new_tokens}")
+        if not 0.0 <= self.temperature <= 10.0:
+            raise EdgeKVError(f"temperature must be in [0, 10], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise EdgeKVError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def pick_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """Greedy (temperature 0) or temperature + top-p sampling from one position's logits."""
+    if params.temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < params.top_p  # the smallest set whose mass reaches top_p
+        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+
+
 class EngineBusy(EdgeKVError):
     """The request queue is full (HTTP 429)."""
 
@@ -78,6 +120,7 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None  # top alternatives per token (0..5); None: no log-probs
     echo: bool = False  # also score the prompt's own tokens (first one: None)
+    first_logits: bool = False  # keep the next-token logits after the prompt (option scoring)
 
 
 @dataclass
@@ -104,6 +147,8 @@ class Result:
     prompt: list[TokenInfo] | None = None  # echo: the prompt's tokens
     error: str | None = None
     layer_wait_s: float = 0.0  # time the prefill waited for system-KV layers still in transit
+    first_logits: torch.Tensor | None = None  # next-token logits after the prompt (GenRequest.first_logits)
+    kv_bytes: int = 0  # the request's cache at the end: shared system KV + its own tokens
 
 
 class Sequence:
@@ -127,6 +172,7 @@ class Sequence:
         self.cancelled = threading.Event()
         self.finish: str | None = None
         self.layer_wait = 0.0
+        self.first_logits: torch.Tensor | None = None
 
 
 def on_fresh_thread(fn: Callable[..., T], *args, **kwargs) -> T:
@@ -164,11 +210,11 @@ class Engine:
             raise EdgeKVError("max_batch, max_queue and max_step_tokens must be ≥ 1")
         self.session, self.max_batch, self.max_queue = session, max_batch, max_queue
         self.max_step_tokens = max_step_tokens
-        self.model, self.tokenizer = session.model, session.edge.tokenizer
-        self.eos = session._eos_ids()
+        self.model, self.tokenizer, self.system = session.model, session.edge.tokenizer, session.system
+        self.eos = session.eos_ids
         enable_fusion(self.model)  # the attention function that also runs relay steps
         _, kv_heads, head_dim = attn_shape(self.model)
-        self._empty = torch.zeros(1, kv_heads, 0, head_dim, dtype=session.dtype)
+        self._empty = torch.zeros(1, kv_heads, 0, head_dim, dtype=self.system.dtype)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.cv = threading.Condition()
@@ -183,10 +229,7 @@ class Engine:
 
     def submit(self, req: GenRequest, on_event: Callable[[str, object], None]) -> Sequence:
         """Queue a request; EngineBusy when the queue is full; EdgeKVError if it cannot fit the context."""
-        total = self.session.prefix_len + req.user_ids.numel() + req.params.max_new_tokens
-        if total > self.session.max_context:
-            raise EdgeKVError(f"system + user prompt + max_tokens = {total} tokens exceeds the model's context of "
-                              f"{self.session.max_context}")
+        self.session.check_fits(req.user_ids.numel(), req.params.max_new_tokens)
         if req.user_ids.numel() == 0:
             raise EdgeKVError("the prompt is empty")
         with self.cv:
@@ -295,9 +338,9 @@ class Engine:
             self._finish(seq, "cancelled")
         for seq in admitted:
             if seq.finish is None:
-                seq.own = [self._empty] * (2 * self.session.num_layers)
+                seq.own = [self._empty] * (2 * self.system.num_layers)
                 seq.pending = seq.req.user_ids
-                seq.position = self.session.prefix_len
+                seq.position = self.system.prefix_len
                 self.running.append(seq)
         self.running = [s for s in self.running if s.finish is None]
         work: list[tuple[Sequence, torch.Tensor]] = [(s, torch.tensor([s.next_input])) for s in self.running
@@ -314,7 +357,7 @@ class Engine:
         self.stats["steps"] += 1
 
     def _forward(self, work: list[tuple[Sequence, torch.Tensor]]) -> None:
-        s = self.session
+        s = self.system
         ids = torch.cat([t for _, t in work])[None]
         positions = torch.cat([torch.arange(q.position, q.position + t.numel()) for q, t in work])[None]
         q_lens = [t.numel() for _, t in work]
@@ -327,11 +370,11 @@ class Engine:
 
         def shared(i: int):
             start = time.perf_counter()
-            kv = s.layer_kv(i)  # may wait for a layer still in transit
+            kv = s.layer(i)  # may wait for a layer still in transit
             waited[0] += time.perf_counter() - start
             return kv
 
-        batch = RelayBatch(shared, [q.own for q, _ in work], q_lens, s.fusion()[1])
+        batch = RelayBatch(shared, [q.own for q, _ in work], q_lens, s.segments)
         logits = self.model(input_ids=ids, past_key_values=relay_cache(batch, s.num_layers, s.prefix_len),
                             position_ids=positions, use_cache=True, logits_to_keep=torch.tensor(keep),
                             relay=batch).logits[0]
@@ -369,6 +412,8 @@ class Engine:
         if seq.ttft is None:
             seq.ttft = time.perf_counter() - seq.submitted
             self.stats["ttft_s"].append(seq.ttft)
+            if seq.req.first_logits:
+                seq.first_logits = logits.float()
         token = pick_token(logits, seq.req.params, seq.generator)
         if token in self.eos:
             return self._finish(seq, "stop")
@@ -426,9 +471,13 @@ class Engine:
             self._emit(seq, seq.text[seq.sent:])
             seq.sent = len(seq.text)
         self.stats["cancelled" if reason == "cancelled" else "finished"] += 1
+        # an errored request may have failed on the system KV itself: do not read it again for its size
+        kv_bytes = 0 if reason in ("error", "cancelled") else self.system.nbytes + sum(
+            t.numel() * t.element_size() for t in seq.own)
         seq.own = []
         result = Result(seq.text, list(seq.tokens), reason, int(seq.req.user_ids.numel()), seq.ttft or 0.0,
-                        time.perf_counter() - seq.submitted, seq.infos, seq.prompt_infos, error, seq.layer_wait)
+                        time.perf_counter() - seq.submitted, seq.infos, seq.prompt_infos, error, seq.layer_wait,
+                        seq.first_logits, kv_bytes)
         try:
             seq.on_event("done", result)
         except Exception:  # a caller's callback must never take the engine down

@@ -13,10 +13,10 @@ import threading
 
 import uvicorn
 
-from edgekv.serve.engine import Engine
+from edgekv.serve.engine import Engine, SamplingParams
 from edgekv.serve.openai_api import APISettings, build_app, percentile  # noqa: F401 (bench, tests)
 from edgekv.serve.pool import ExportPool, export_id
-from edgekv.serve.session import EdgeSession, SamplingParams
+from edgekv.serve.session import EdgeSession
 
 log = logging.getLogger("edgekv")
 
@@ -25,7 +25,7 @@ def model_id(session: EdgeSession, name: str | None = None) -> str:
     """The id /v1/models shows for a session: `name`, else the export's folder name, else 'edge-local'."""
     if name:
         return name
-    return export_id(str(session.export.path)) if session.export is not None else "edge-local"
+    return export_id(str(session.system.export.path)) if session.system.export is not None else "edge-local"
 
 
 class EdgeServer:

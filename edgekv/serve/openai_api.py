@@ -26,9 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgekv import EdgeKVError
-from edgekv.serve.engine import Engine, EngineBusy, GenRequest, Result, TokenInfo
+from edgekv.serve.engine import Engine, EngineBusy, GenRequest, Result, SamplingParams, TokenInfo
 from edgekv.serve.pool import ExportPool
-from edgekv.serve.session import SamplingParams
 
 MAX_LOGPROBS = 5
 

@@ -21,9 +21,9 @@ import torch
 from edgekv import EdgeKVError
 from edgekv.kv.decode import decode_tensors, edge_kv
 from edgekv.kv.export import KVExport
+from edgekv.models.structure import KVPair
 
 log = logging.getLogger("edgekv")
-KVPair = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass

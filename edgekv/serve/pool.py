@@ -65,7 +65,7 @@ class ExportPool:
 
     def add(self, model_id: str, engine: Engine) -> None:
         """An engine already open (never unloaded: there is no source to reload it from)."""
-        self.entries[model_id] = _Entry(None, engine, engine.session.system_kv_bytes)
+        self.entries[model_id] = _Entry(None, engine, engine.session.system.nbytes)
 
     def ids(self) -> list[str]:
         """Every model id, loaded or not."""
@@ -85,7 +85,7 @@ class ExportPool:
                 # an HTTP worker thread lives on: the prefill runs on a thread that ends (one OpenMP pool per engine)
                 session = on_fresh_thread(self.open_session, entry.source)
                 entry.engine = Engine(session, self.max_batch, self.max_queue)
-                entry.kv_bytes = session.system_kv_bytes
+                entry.kv_bytes = session.system.nbytes
                 self.stats["loads"] += 1
                 self._evict(keep=model_id)
             return entry.engine

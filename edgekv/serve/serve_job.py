@@ -10,11 +10,11 @@ from edgekv import EdgeKVError
 from edgekv.config import command_config
 from edgekv.models.loading import DTYPES, load_model
 from edgekv.models.prepack import prepack_linears
-from edgekv.serve.engine import limit_onednn_cache, on_fresh_thread
+from edgekv.serve.engine import SamplingParams, limit_onednn_cache, on_fresh_thread
 from edgekv.serve.http_server import EdgeServer
 from edgekv.serve.pipeline import Link
 from edgekv.serve.pool import ExportPool, expand_sources, export_id
-from edgekv.serve.session import EdgeSession, SamplingParams
+from edgekv.serve.session import EdgeSession
 from edgekv.texts import read_system_prompt
 
 

@@ -1,0 +1,137 @@
+"""What an eval strategy is: a name in the registry, what it ships, and how it answers one request.
+
+A strategy is written `base[:variant][@RATIO/CODEC]` (`ce-lslm:uniform@0.25/int4`); `parse_strategy` reads that
+form once into an instance of the class registered under `base`. Classes say which variants and knobs they
+accept; everything else about them (the compress config of their export, the session they answer on) is theirs.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+from edgekv import EdgeKVError
+from edgekv.kv.codecs import SCHEMES
+from edgekv.kv.compress_job import CompressConfig
+from edgekv.models.loading import LoadedModel
+from edgekv.serve.session import EdgeSession
+
+if TYPE_CHECKING:  # the runner imports the strategies; they only call it
+    from edgekv.eval.datasets import Request
+    from edgekv.eval.eval_job import Runner
+
+STRATEGIES: dict[str, type[Strategy]] = {}
+
+
+def register_strategy(cls: type[Strategy]) -> type[Strategy]:
+    """Register a strategy class under its `base` name (one-line error on a duplicate)."""
+    if cls.base in STRATEGIES:
+        raise ValueError(f"strategy '{cls.base}' is registered twice")
+    STRATEGIES[cls.base] = cls
+    return cls
+
+
+@dataclass
+class Answering:
+    """A strategy's session for one request and what it cost to get there."""
+
+    session: EdgeSession
+    model: LoadedModel
+    built_s: float  # building the session (TTFT includes it)
+    sent: list[tuple[str, str]] = field(default_factory=list)  # what reached the cloud side: (kind, text)
+    cloud_s: float = 0.0
+    bytes_down: int = 0
+    cloud_fp16_bytes: int | None = None
+    network_s: float = 0.0  # modelled link time added to TTFT (cloud-only's prompt upload)
+    answer_down: bool = False  # the answer's text comes down the link (it is the bytes sent to the edge)
+
+
+@dataclass(frozen=True)
+class Strategy(ABC):
+    """One strategy as named in a run; subclasses set `base` and implement `answering`."""
+
+    name: str
+    variant: str = ""
+    prune_ratio: float | None = None  # @RATIO/CODEC overrides (the quality-per-byte sweep)
+    quant: str | None = None
+
+    base: ClassVar[str] = "?"
+    variants: ClassVar[tuple[str, ...]] = ()  # accepted `:variant`s
+    knobs: ClassVar[bool] = False  # accepts an @RATIO/CODEC suffix
+    ships_kv: ClassVar[bool] = False  # answers on a KV export made by the cloud side
+
+    def validate(self, cfg) -> None:
+        """One-line errors for settings this strategy needs (before any model loads)."""
+
+    @abstractmethod
+    def answering(self, runner: Runner, req: Request) -> Answering:
+        """The session that answers `req`, timed from the start of its construction."""
+
+    def model(self, runner: Runner) -> LoadedModel:
+        """The model that answers."""
+        return runner.edge
+
+    def load_session(self, runner: Runner, system: str) -> tuple[EdgeSession, bool]:
+        """A warm session for Poisson load runs on one system prompt; True when prompts are user prompts only
+        (the system KV is reused), False when each prompt must carry the system prompt."""
+        return EdgeSession(self.model(runner), None, system_prompt=""), False
+
+
+class KVStrategy(Strategy):
+    """A strategy that answers on a KV export of the system prompt (made by `run_compress` on the cloud side)."""
+
+    ships_kv: ClassVar[bool] = True
+
+    def compress_config(self, runner: Runner, out: str, system_prompt: str) -> CompressConfig:
+        """The `edgekv compress` settings of this strategy's export (ratio/codec overrides applied)."""
+        cfg = self._compress_config(runner, out, system_prompt)
+        if self.prune_ratio is not None:
+            cfg.prune_ratio, cfg.quant = self.prune_ratio, self.quant
+        return cfg
+
+    @abstractmethod
+    def _compress_config(self, runner: Runner, out: str, system_prompt: str) -> CompressConfig:
+        """The strategy's own compress settings, before the ratio/codec overrides."""
+
+    def cloud_model(self, runner: Runner) -> LoadedModel:
+        """The model that computes the export's KV."""
+        return runner.cloud
+
+    def prepare(self, runner: Runner) -> None:
+        """Work done once per run before the first export (e.g. fitting a translator)."""
+
+    def answering(self, runner: Runner, req: Request) -> Answering:
+        export, info = runner.export(self, req.system)
+        start = time.perf_counter()
+        session = EdgeSession(runner.edge, str(export), link=runner.link, cache_dir=runner.out / "work" / "kvcache")
+        return Answering(session, runner.edge, time.perf_counter() - start, [("system", info["cloud_input"])],
+                         info["cloud_s"], info["bytes"], info["cloud_fp16_bytes"])
+
+    def load_session(self, runner: Runner, system: str) -> tuple[EdgeSession, bool]:
+        export, _ = runner.export(self, system)
+        return EdgeSession(runner.edge, str(export), cache_dir=runner.out / "work" / "kvcache"), True
+
+
+def parse_strategy(name: str) -> Strategy:
+    """`base[:variant][@RATIO/CODEC]` → the registered strategy; one-line error for anything else."""
+    head, _, knobs = name.partition("@")
+    base, _, variant = head.partition(":")
+    cls = STRATEGIES.get(base)
+    with_variants = ", ".join(f"{b}:<{'|'.join(c.variants)}>" for b, c in STRATEGIES.items() if c.variants)
+    with_knobs = "/".join(b for b, c in STRATEGIES.items() if c.knobs)
+    usage = (f"unknown strategy '{name}' (choose from {', '.join(STRATEGIES)}, {with_variants}, and for "
+             f"{with_knobs}[:variant] an @RATIO/CODEC suffix such as ce-lslm@0.25/int4)")
+    if cls is None or (variant and variant not in cls.variants):
+        raise EdgeKVError(usage)
+    if not knobs:
+        return cls(name, variant)
+    ratio, _, quant = knobs.partition("/")
+    try:
+        r = float(ratio)
+    except ValueError:
+        raise EdgeKVError(usage) from None
+    if not cls.knobs or quant not in SCHEMES or not 0.0 <= r < 1.0:
+        raise EdgeKVError(usage)
+    return cls(name, variant, r, quant)

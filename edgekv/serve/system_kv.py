@@ -1,0 +1,349 @@
+"""The system prompt's KV for one edge model and one export (DESIGN.md §1, §5): the object every consumer of a
+shared prefix reads — the serving engine, eval, fidelity, training and distillation.
+
+`SystemKV` is a transformers `Cache(layers=…)` whose layers are read-only `SystemLayer`s. Where each layer comes
+from is decided once, here: the edge's own prefill (layers < m, or all of them), the export (pipelined, see
+pipeline.py) behind the fallback chain (last verified local copy, then local prefill), a nearby peer's
+same-model export for the shallow layers, the edge's own KV for the first `sink` tokens, or — for a fuse export —
+the edge's own KV changed by the fuser plus gated cloud segments. A request never writes into it: it gets its
+own cache from `request_cache()`, whose `SharedPrefixLayer`s reference these tensors (no copy per request).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from edgekv import EdgeKVError
+from edgekv.attention.fuse import enable_fusion
+from edgekv.attention.shared_prefix import SharedPrefixLayer
+from edgekv.kv.decode import decode_layer, edge_kv
+from edgekv.kv.export import (
+    Expect,
+    FetchError,
+    KVExport,
+    KVStoreError,
+    is_url,
+    token_ids_sha256,
+    tokenizer_fingerprint,
+    write_copy,
+)
+from edgekv.kv.fusers import Fuser
+from edgekv.models.loading import LoadedModel
+from edgekv.models.structure import KVPair, attn_shape, decoder_layers
+from edgekv.serve.pipeline import Fallback, LayerLoader, Link, events_as_dicts
+
+log = logging.getLogger("edgekv")
+
+
+class _StopForward(Exception):
+    """Raised by a hook to end a forward pass after the layers we need."""
+
+
+@torch.no_grad()
+def prefix_kv(model: torch.nn.Module, ids: torch.Tensor, layers: int | None = None) -> list[KVPair]:
+    """The model's own KV (1, kv_heads, tokens, head_dim) of `ids` for layers 0..layers−1 only: the forward
+    stops after the last needed layer (the shallow part of a split is all the edge computes)."""
+    blocks = decoder_layers(model)
+    n = len(blocks) if layers is None else layers
+    if n == 0:
+        return []
+    cache = DynamicCache()
+    me = threading.get_ident()
+
+    def stop(module, args, output):
+        if threading.get_ident() == me:  # hooks are global: never end another thread's forward of this model
+            raise _StopForward
+
+    handle = blocks[n - 1].register_forward_hook(stop) if n < len(blocks) else None
+    try:
+        model(input_ids=ids[None], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    except _StopForward:
+        pass
+    finally:
+        if handle is not None:
+            handle.remove()
+    return [(cache.layers[i].keys, cache.layers[i].values) for i in range(n)]
+
+
+class SystemLayer(CacheLayerMixin):
+    """One read-only layer of the system KV: `keys`/`values` resolve on first use (a layer in transit is waited
+    for only when something reads it). Requests append to their own cache, never here."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, system: SystemKV, index: int):
+        super().__init__()
+        self.system, self.index, self.is_initialized = system, index, True
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.system.layer(self.index)[0]
+
+    @keys.setter
+    def keys(self, value) -> None:  # CacheLayerMixin.__init__ assigns None; the tensors live in SystemKV
+        pass
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.system.layer(self.index)[1]
+
+    @values.setter
+    def values(self, value) -> None:
+        pass
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        raise EdgeKVError("the system KV is read-only: attend through SystemKV.request_cache()")
+
+    def update(self, key_states, value_states, *args, **kwargs) -> KVPair:
+        raise EdgeKVError("the system KV is read-only: attend through SystemKV.request_cache()")
+
+    def get_seq_length(self) -> int:
+        return self.system.prefix_len
+
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        return self.system.prefix_len + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class SystemKV(Cache):
+    """The system prompt's KV of every layer of one edge model, from wherever it comes (see the module doc)."""
+
+    def __init__(self, edge: LoadedModel, kv: str | None = None, system_prompt: str | None = None,
+                 link: Link | None = None, cache_dir: str | Path | None = None, local_sink_tokens: int | None = None,
+                 peer_kv: str | None = None, layers: list[KVPair] | None = None):
+        """From an export `kv` (with the fallbacks), or the edge's own prefill of `system_prompt`; `layers`
+        gives every layer's (1, kv_heads, P, d) KV outright (a trained or distilled prefix: differentiable)."""
+        self.edge, self.model, self.link = edge, edge.model, link or Link()
+        self.dtype = next(self.model.parameters()).dtype
+        self.num_layers = len(decoder_layers(self.model))
+        super().__init__(layers=[SystemLayer(self, i) for i in range(self.num_layers)])
+        self.source, self.export, self.loader, self.peer_kv, self.shallow_source = "local-prefill", None, None, \
+            peer_kv, "local"
+        self._own: list[KVPair] | None = None
+        self._fusion_lock = threading.Lock()
+        self._fusion: tuple[dict[int, KVPair], dict] | None = None
+        self._copy_dir = Path(cache_dir or Path.home() / ".cache/edgekv/exports") / (
+            hashlib.sha256(str(kv).encode()).hexdigest()[:16] if kv else "none")
+        if kv is not None:
+            self.export = self._open(kv)
+        if self.export is not None:
+            self.system_ids = torch.tensor(self.export.manifest["system_prompt"]["token_ids"], dtype=torch.long)
+            if system_prompt is not None:
+                given = edge.tokenizer(system_prompt, add_special_tokens=True)["input_ids"]
+                if given != self.system_ids.tolist():
+                    raise EdgeKVError("--system-prompt differs from the prompt the KV export was made for")
+        else:
+            if system_prompt is None:
+                raise EdgeKVError("no KV export could be read and no --system-prompt was given to prefill locally")
+            # an empty system prompt is a session without reuse: every request prefills its whole prompt
+            ids = edge.tokenizer(system_prompt, add_special_tokens=True)["input_ids"] if system_prompt else []
+            self.system_ids = torch.tensor(ids, dtype=torch.long)
+        self.prefix_len = int(self.system_ids.numel())
+        self.splice = self.export.manifest.get("splice", "replace") if self.export is not None else "replace"
+        if layers is not None:
+            self._given(layers)
+        elif self.splice == "fuse":
+            self._build_fused()
+        else:
+            self._build(local_sink_tokens)
+
+    # ------------------------------------------------------------------------------------------- sources
+
+    def _expect(self) -> Expect:
+        return Expect(edge_fingerprint=self.edge.fingerprint, tokenizer_fingerprint=tokenizer_fingerprint(
+            self.edge.tokenizer))
+
+    def _open(self, kv: str) -> KVExport | None:
+        """The export; a remote one that cannot be fetched falls back to the last verified local copy (or None:
+        local prefill). An export for another model is refused outright."""
+        try:
+            export = KVExport(kv, self._expect())
+            self.source = "remote" if is_url(kv) else "local"
+            return export
+        except FetchError as exc:
+            log.warning("KV source unreachable (%s); trying the last verified local copy", exc)
+        try:
+            export = KVExport(self._copy_dir, self._expect())
+            self.source = "local-copy"
+            log.warning("serving from the last verified local copy %s", self._copy_dir)
+            return export
+        except KVStoreError as exc:
+            log.warning("no usable local copy (%s); falling back to local full prefill", exc)
+            return None
+
+    def _given(self, layers: list[KVPair]) -> None:
+        if len(layers) != self.num_layers or any(k.shape[-2] != self.prefix_len for k, _ in layers):
+            raise EdgeKVError(f"given system KV has {len(layers)} layers of {layers[0][0].shape[-2]} tokens; this "
+                              f"edge needs {self.num_layers} layers of {self.prefix_len}")
+        self.start_layer, self.sink_tokens, self.shallow, self.source = self.num_layers, 0, list(layers), "given"
+        self.timings = {"shallow_prefill_s": 0.0}
+
+    def _build(self, local_sink_tokens: int | None) -> None:
+        """Start the deep layers loading, then compute the shallow layers (overlapping the transfer)."""
+        self.start_layer = min(self.export.layer_indices) if self.export is not None else self.num_layers
+        manifest = self.export.manifest if self.export is not None else {}
+        if self.export is not None and self.export.layer_indices != list(range(self.start_layer, self.num_layers)):
+            raise KVStoreError(f"{self.export.path}: layers {self.export.layer_indices} are not the deep layers "
+                               f"{self.start_layer}..{self.num_layers - 1} of this edge model")
+        sink = manifest.get("local_sink_tokens", 0) if local_sink_tokens is None else local_sink_tokens
+        self.sink_tokens = min(int(sink), self.prefix_len)
+        start = time.perf_counter()
+        if self.export is not None:
+            sink_kv = None
+            if self.sink_tokens:
+                own = prefix_kv(self.model, self.system_ids[: self.sink_tokens])
+                sink_kv = {i: own[i] for i in self.export.layer_indices}
+            fallbacks = [Fallback("local-copy", self._from_copy), Fallback("local-prefill", self._from_own)]
+            if self.source == "local-copy":
+                fallbacks = fallbacks[1:]
+            self.loader = LayerLoader(self.export, self.model, self.dtype, self.link, fallbacks, sink_kv,
+                                      on_loaded=self._keep_copy if self.source == "remote" else None).start()
+        if self.prefix_len:
+            peer = self._peer_shallow(self.start_layer) if self.peer_kv and self.start_layer else None
+            self.shallow_source = "peer" if peer is not None else "local"
+            self.shallow = peer if peer is not None else prefix_kv(self.model, self.system_ids, self.start_layer)
+        else:
+            _, kv_heads, head_dim = attn_shape(self.model)
+            empty = torch.zeros(1, kv_heads, 0, head_dim, dtype=self.dtype)
+            self.shallow = [(empty, empty)] * self.num_layers
+        self.timings = {"shallow_prefill_s": time.perf_counter() - start}
+
+    def _peer_shallow(self, n: int) -> list[KVPair] | None:
+        """Layers 0..n−1 from a same-model export of this system prompt made by a nearby edge (CE-LSLM: shallow
+        layers "computed locally or reused from nearby peers"); None (computed locally) if it is unusable."""
+        try:
+            export = KVExport(self.peer_kv, self._expect())
+            m = export.manifest
+            if m.get("regime") != "same-model":
+                raise KVStoreError("not a same-model export of this edge model")
+            if m["system_prompt"]["token_ids_sha256"] != token_ids_sha256(self.system_ids.tolist()):
+                raise KVStoreError("made for another system prompt")
+            if not set(range(n)) <= set(export.layer_indices):
+                raise KVStoreError(f"lacks some of layers 0..{n - 1}")
+            out = []
+            for i in range(n):
+                keys, values = edge_kv(decode_layer(export, i), self.model)
+                out.append((keys[None].to(self.dtype), values[None].to(self.dtype)))
+            return out
+        except EdgeKVError as exc:
+            log.warning("peer KV %s unusable (%s); computing the shallow layers locally", self.peer_kv, exc)
+            return None
+
+    def _build_fused(self) -> None:
+        """Fuse mode: the edge prefills its own KV of every layer while the cloud KV of the fuser's open layers
+        loads; a cloud layer that fails verification keeps its gate closed (the edge's own KV alone)."""
+        if any(not 0 <= i < self.num_layers for i in self.export.layer_indices):
+            raise KVStoreError(f"{self.export.path}: layers {self.export.layer_indices} are not layers of this edge")
+        self.fuser = self.export.shipped_translator()
+        if not isinstance(self.fuser, Fuser):
+            raise KVStoreError(f"{self.export.path}: a fuse export without its fuser")
+        enable_fusion(self.model)
+        self.start_layer, self.sink_tokens = self.num_layers, 0
+        self.loader = LayerLoader(self.export, self.model, self.dtype, self.link, [], None,
+                                  on_loaded=self._keep_copy if self.source == "remote" else None).start()
+        start = time.perf_counter()
+        self.shallow = prefix_kv(self.model, self.system_ids)
+        self.timings = {"shallow_prefill_s": time.perf_counter() - start}
+
+    def _fused(self) -> tuple[dict[int, KVPair], dict]:
+        """(own KV replaced by the fuser, cloud attention segments), made once when the cloud layers are in."""
+        if self.splice != "fuse":
+            return {}, {}
+        with self._fusion_lock:
+            if self._fusion is None:
+                cloud = {}
+                for i in self.loader.layers:
+                    try:
+                        k, v = self.loader.get(i)
+                        cloud[i] = (k[0], v[0])
+                    except EdgeKVError as exc:
+                        log.warning("layer %d: no cloud KV (%s); its gate stays closed", i, exc)
+                own = {i: (k[0], v[0]) for i, (k, v) in enumerate(self.shallow)}
+                with torch.no_grad():
+                    override, segments = self.fuser.fuse(self.model, own, cloud, sorted(cloud))
+                self._fusion = ({i: (k[None], v[None]) for i, (k, v) in override.items()}, segments)
+            return self._fusion
+
+    def _own_kv(self) -> list[KVPair]:
+        if self._own is None and not self.prefix_len:
+            self._own = self.shallow
+        if self._own is None:
+            self._own = prefix_kv(self.model, self.system_ids)
+        return self._own
+
+    def _from_own(self, i: int) -> KVPair:
+        return self._own_kv()[i]
+
+    def _from_copy(self, i: int) -> KVPair:
+        copy = KVExport(self._copy_dir, self._expect())
+        if copy.manifest.get("manifest_sha256") != self.export.manifest.get("manifest_sha256"):
+            raise KVStoreError("the local copy is of another export")
+        keys, values = edge_kv(decode_layer(copy, i), self.model, copy.translator())
+        return keys[None], values[None]
+
+    def _keep_copy(self, blobs: dict[str, bytes]) -> None:
+        write_copy(self.export, self._copy_dir, blobs)
+
+    # ------------------------------------------------------------------------------------------- reading
+
+    def layer(self, i: int) -> KVPair:
+        """Layer i's (1, kv_heads, P, d) keys and values (waits for a layer in transit)."""
+        if self.splice == "fuse":
+            return self._fused()[0].get(i, self.shallow[i])
+        if i < self.start_layer:
+            return self.shallow[i]
+        if self.loader is None:
+            return self._from_own(i)
+        return self.loader.get(i)
+
+    @property
+    def segments(self) -> dict:
+        """Layer → gated cloud attention segment (`CloudSegment`) beside the own KV; {} unless a fuse export."""
+        return self._fused()[1]
+
+    def attention_kwargs(self) -> dict:
+        """What the model's forward needs besides the cache (the fuse segments, when there are any)."""
+        return {"cloud_segments": self.segments} if self.splice == "fuse" else {}
+
+    def request_cache(self, on_wait: Callable[[float], None] | None = None) -> Cache:
+        """A request's own cache: every layer references this system KV (no copy) and stores only the request's
+        tokens; `on_wait` receives the seconds spent waiting for a layer in transit."""
+        return Cache(layers=[SharedPrefixLayer(lambda i=i: self.layer(i), self.prefix_len, on_wait)
+                             for i in range(self.num_layers)])
+
+    def wait_loaded(self) -> None:
+        """Block until every layer is in."""
+        if self.loader is not None:
+            self.loader.join()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the system KV as held (all layers; cloud segments included)."""
+        own = sum(2 * k.numel() * k.element_size() for k, _ in (self.layer(i) for i in range(self.num_layers)))
+        return own + sum(2 * s.keys.numel() * s.keys.element_size() for s in self.segments.values())
+
+    def describe(self) -> dict:
+        """Where the system KV came from and what loading cost (for logs, /metrics and batch output)."""
+        out = {"source": self.source, "shallow_source": self.shallow_source,
+               "system_prompt_tokens": self.prefix_len, "start_layer": self.start_layer,
+               "sink_tokens": self.sink_tokens, "splice": self.splice, **self.timings}
+        if self.splice == "fuse":
+            out["fused_layers"] = self.loader.layers
+        if self.loader is not None:
+            out.update(bytes_loaded=self.loader.bytes_loaded, layers=events_as_dicts(self.loader.events),
+                       layer_sources=sorted({e.source for e in self.loader.events}))
+        else:
+            out.update(bytes_loaded=0, layers=[], layer_sources=["local-prefill"])
+        return out
