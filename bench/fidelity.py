@@ -28,8 +28,8 @@ from rich.progress import Progress
 from edgekv.align.align_job import tokenize
 from edgekv.align.mapping import MappingParams, build_mapping
 from edgekv.eval.fidelity import context_gain, delta_ci95, evaluate_text, paired_delta, summarize
+from edgekv.kv.registry import TRANSLATORS, load_translator
 from edgekv.kv.training import load_trained
-from edgekv.kv.translators import TRANSLATORS, load_translator
 from edgekv.models.capture import capture
 from edgekv.models.loading import load_model
 from edgekv.plots import interval_plot

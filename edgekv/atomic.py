@@ -43,17 +43,22 @@ def staged_dir(target: str | Path) -> Iterator[Path]:
         raise
 
 
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write a text file via a temp file in the same directory and an atomic rename."""
+def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+    """Write a file via a temp file in the same directory and an atomic rename."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write a UTF-8 text file atomically (see write_bytes_atomic)."""
+    write_bytes_atomic(path, text.encode("utf-8"))
 
 
 def write_tensors_atomic(path: str | Path, tensors: dict) -> None:

@@ -254,4 +254,4 @@ def test_splice_auto_takes_the_shipped_fuser_of_this_pair_only(tmp_path, monkeyp
     asked = resolve_splice(CompressConfig(out="o", system_prompt="s", translator="hidden"), cloud, edge, False)
     assert (asked.splice, asked.translator) == ("replace", "hidden")  # an explicit translator wins
     same = resolve_splice(base, cloud, edge, same=True)
-    assert (same.system.splice, same.translator) == ("replace", "ridge")
+    assert (same.splice, same.translator) == ("replace", "ridge")

@@ -217,7 +217,8 @@ def test_ce_lslm_fuse_with_shut_gates_answers_as_edge_only(tiny_models, data, al
     import torch
 
     from edgekv.kv.fusers import BiasFuser
-    from edgekv.kv.translators import HiddenTranslator, save_translator
+    from edgekv.kv.registry import save_translator
+    from edgekv.kv.translators import HiddenTranslator
     from edgekv.models.capture import capture
     from edgekv.models.loading import load_model
 

@@ -8,7 +8,8 @@ from edgekv import EdgeKVError
 from edgekv.attention.merge import merge_attention, segment_attention
 from edgekv.kv.fuser_training import choose_gates, evaluate, fused_logits, prepare, train
 from edgekv.kv.fusers import BiasFuser, ResidualFuser
-from edgekv.kv.translators import HiddenTranslator, load_translator, save_translator
+from edgekv.kv.registry import load_translator, save_translator
+from edgekv.kv.translators import HiddenTranslator
 from edgekv.models.capture import capture
 from edgekv.models.loading import load_model
 from edgekv.texts import HeldOutText

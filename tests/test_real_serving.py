@@ -43,7 +43,8 @@ def test_fuse_export_with_shut_gates_decodes_as_the_edge_alone_float32(tmp_path)
     """A fuse export on the real pair whose gates are open but shut (bias −10⁴): the edge's answers, token for
     token, and first-step logits within 1e-4 of a plain edge session (the fused path is really taken)."""
     from edgekv.kv.fusers import BiasFuser
-    from edgekv.kv.translators import HiddenTranslator, save_translator
+    from edgekv.kv.registry import save_translator
+    from edgekv.kv.translators import HiddenTranslator
     from edgekv.models.capture import capture
     from edgekv.texts import sharegpt_texts
 

@@ -11,7 +11,8 @@ from edgekv import EdgeKVError
 from edgekv.kv.compress_job import CompressConfig, run_compress
 from edgekv.kv.decode import decode_layer, edge_kv
 from edgekv.kv.export import KVExport, KVStoreError
-from edgekv.kv.translators import TRANSLATORS, TrainedTranslator, load_translator, save_translator
+from edgekv.kv.registry import TRANSLATORS, load_translator, save_translator
+from edgekv.kv.translators import TrainedTranslator
 from edgekv.models.capture import capture
 from edgekv.models.loading import load_model
 from tests.test_compress_export import PROMPT

@@ -36,7 +36,7 @@ from edgekv.eval.datasets import DATASETS, TRUNCATIONS, Request, load_requests
 from edgekv.eval.metrics import BertScore, option_choice, rouge_l, upload_ratio
 from edgekv.eval.strategies import KVStrategy, parse_strategy
 from edgekv.kv.compress_job import _calibration, get_translator, resolve_pairs, run_compress
-from edgekv.kv.translators import TRANSLATORS, save_translator
+from edgekv.kv.registry import TRANSLATORS, save_translator
 from edgekv.models.loading import DTYPES, LoadedModel, check_tokenizers, load_model
 from edgekv.progress import Steps
 from edgekv.serve.engine import SamplingParams

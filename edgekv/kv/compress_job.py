@@ -23,15 +23,15 @@ from edgekv.config import command_config, to_dict
 from edgekv.kv.codecs import SCHEMES, Quantized, dequantize, quantize
 from edgekv.kv.export import sha256_bytes, token_ids_sha256, tokenizer_fingerprint, write_export
 from edgekv.kv.pruning import attention_error, check_ratio, prune_keys, think_scores, think_select
-from edgekv.kv.translators import (
+from edgekv.kv.registry import (
     TRANSLATOR_CONFIG,
     TRANSLATOR_TENSORS,
     TRANSLATORS,
-    Translator,
+    is_fuser,
     load_translator,
-    split_by_text,
     translator_files,
 )
+from edgekv.kv.translators import Translator, split_by_text
 from edgekv.models.capture import capture
 from edgekv.models.loading import DTYPES, LoadedModel, check_tokenizers, load_model
 from edgekv.models.structure import attn_shape, rotary_cos_sin, split_heads
@@ -94,11 +94,11 @@ class CompressConfig:
             raise EdgeKVError(f"--splice must be 'auto', 'replace' or 'fuse', got '{self.splice}'")
         if self.translator_path and self.translator is None:
             raise EdgeKVError("--translator-path needs --translator (the kind of translator it holds)")
-        is_fuser = getattr(TRANSLATORS.get(self.translator), "splice", "replace") == "fuse"
-        if self.splice == "fuse" and not (is_fuser and self.translator_path):
+        fuser = is_fuser(self.translator)
+        if self.splice == "fuse" and not (fuser and self.translator_path):
             raise EdgeKVError("--splice fuse needs a trained fuser: --translator fuse-bias|fuse-residual "
                               "--translator-path DIR (from `edgekv train-fuser`)")
-        if self.splice == "replace" and is_fuser:
+        if self.splice == "replace" and fuser:
             raise EdgeKVError(f"--translator {self.translator} is a fuser: use it with --splice fuse")
         if self.local_sink_tokens < 0:
             raise EdgeKVError(f"--local-sink-tokens must be ≥ 0, got {self.local_sink_tokens}")
@@ -401,8 +401,7 @@ def resolve_splice(cfg: CompressConfig, cloud: LoadedModel, edge: LoadedModel, s
             name = json.loads((fuser / "translator.json").read_text(encoding="utf-8"))["name"]
             cfg.translator, cfg.translator_path, cfg.splice = name, str(fuser), "fuse"
         else:
-            is_fuser = getattr(TRANSLATORS.get(cfg.translator), "splice", "replace") == "fuse"
-            cfg.splice = "fuse" if is_fuser else "replace"
+            cfg.splice = "fuse" if is_fuser(cfg.translator) else "replace"
     if cfg.translator is None:
         cfg.translator = "ridge"
     cfg.validate()

@@ -21,6 +21,7 @@ from safetensors.torch import save as st_save
 
 from edgekv import EdgeKVError, __version__
 from edgekv.atomic import staged_dir
+from edgekv.kv.registry import TRANSLATOR_CONFIG, TRANSLATOR_TENSORS, translator_from_files
 
 FORMAT = "edgekv-kv-export"
 FORMAT_VERSION = 1
@@ -271,8 +272,6 @@ class KVExport:
 
     def shipped_translator(self):
         """The translator (or fuser) shipped inside the export, checked against its model pair; None if none is."""
-        from edgekv.kv.translators import TRANSLATOR_CONFIG, TRANSLATOR_TENSORS, translator_from_files
-
         info = self.manifest.get("translator")
         if not info or not info.get("shipped"):
             return None

@@ -26,7 +26,8 @@ from edgekv.align.mapping import MappingParams, build_mapping
 from edgekv.atomic import write_text_atomic
 from edgekv.config import command_config, to_dict
 from edgekv.kv.fuser_training import choose_gates, prepare, train
-from edgekv.kv.translators import TRANSLATORS, HiddenTranslator, save_translator
+from edgekv.kv.registry import TRANSLATORS, save_translator
+from edgekv.kv.translators import HiddenTranslator
 from edgekv.models.capture import capture
 from edgekv.models.loading import DTYPES, check_tokenizers, load_model
 from edgekv.plots import loss_curve

@@ -12,6 +12,8 @@ layer gets nothing from the cloud, so with every gate closed the edge computes e
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import torch
 
 from edgekv.attention.fuse import CloudSegment
@@ -22,9 +24,8 @@ INIT_BIAS = -6.0  # nearly closed (cloud weight ≈ e⁻⁶ of the own segment's
 
 
 class Fuser(HiddenTranslator):
-    """Base of the fusers: `hidden`'s maps make the cloud KV; subclasses say how it joins the edge's own."""
-
-    splice = "fuse"
+    """Base of the fusers: `hidden`'s maps make the cloud KV; subclasses say how it joins the edge's own (the
+    gates: `init_gates`, `fuse`, `gate_tensors`, `load_gates`, `drop_gates`)."""
 
     @classmethod
     def from_hidden(cls, hidden: HiddenTranslator, edge_model, **kwargs) -> "Fuser":
@@ -37,9 +38,9 @@ class Fuser(HiddenTranslator):
         out.init_gates(edge_model, **kwargs)
         return out
 
+    @abstractmethod
     def init_gates(self, edge_model, **kwargs) -> None:
         """Create the gate parameters of every mapped layer."""
-        raise NotImplementedError
 
     @property
     def self_fuse(self) -> bool:
@@ -62,9 +63,9 @@ class Fuser(HiddenTranslator):
         super().keep_layers(keep)
         self.drop_gates(keep)
 
+    @abstractmethod
     def drop_gates(self, keep: set[int]) -> None:
         """Drop the gate parameters of layers not in `keep`."""
-        raise NotImplementedError
 
     def compact(self) -> "Fuser":
         """The fuser for shipping: its open layers only, the maps stored in float16 (applied in float32)."""
@@ -89,18 +90,18 @@ class Fuser(HiddenTranslator):
         self.maps = {i: RidgeMap.from_tensors(tensors, str(i), self.info[i].get("alpha", 0.0))
                      for i in self.info if self.info[i].get("maps") != "cloud"}
 
+    @abstractmethod
     def load_gates(self, tensors: dict[str, torch.Tensor]) -> None:
         """Set the gate parameters from named tensors (as `gate_tensors` names them)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def fuse(self, edge_model, own: dict[int, KVPair], cloud: dict[int, KVPair],
              layers: list[int] | None = None) -> tuple[dict[int, KVPair], dict[int, CloudSegment]]:
         """(replacement own KV, cloud segments) for `layers` (default: the open ones); KV is (kv_heads, S, d)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def gate_tensors(self) -> dict[str, torch.Tensor]:
         """The gate parameters as named tensors."""
-        raise NotImplementedError
 
     def parameters(self) -> list[torch.Tensor]:
         """The trainable tensors (the gates; the maps stay as fitted), in a fixed order."""

@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 
 from edgekv.atomic import write_tensors_atomic, write_text_atomic
 from edgekv.attention.splice import splice_layers
-from edgekv.kv.translators import TrainedTranslator, kv_from_hidden, load_translator, save_translator
+from edgekv.kv.registry import load_translator, save_translator
+from edgekv.kv.translators import TrainedTranslator, kv_from_hidden
 from edgekv.models.capture import capture
 from edgekv.texts import HeldOutText
 

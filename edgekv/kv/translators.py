@@ -6,10 +6,8 @@ a validation split of texts and the reported R² comes from a separate test spli
 
 from __future__ import annotations
 
-import hashlib
-import json
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -96,7 +94,7 @@ TRANSLATORS: dict[str, type] = {}
 
 
 def register_translator(name: str):
-    """Register a translator class under `name`."""
+    """Register a translator (or fuser) class under `name`; `edgekv.kv.registry` imports every kind."""
 
     def deco(cls: type) -> type:
         if name in TRANSLATORS:
@@ -131,8 +129,9 @@ def kv_from_hidden(model: torch.nn.Module, layer_index: int, hidden: torch.Tenso
     return apply_rotary(model, keys, start), values
 
 
-class Translator:
-    """Base of the registry: `info[edge_layer]` holds the matched `cloud_layer`; subclasses map features."""
+class Translator(ABC):
+    """What every translator (and fuser) is: `info[edge_layer]` holds the matched `cloud_layer` and fit
+    statistics, `maps` the per-layer parameters; `features` names the cloud activations it reads."""
 
     name = "?"
     features: tuple[str, ...] = ()
@@ -141,9 +140,21 @@ class Translator:
         self.maps: dict = {}
         self.info: dict[int, dict] = {}
 
+    @abstractmethod
+    def fit(self, cloud_cal, edge_cal, pairs: list[tuple[int, int]], edge_model) -> Translator:
+        """Fit the maps of each (edge layer, cloud layer) pair on captured calibration activations."""
+
+    @abstractmethod
     def layer_kv(self, edge_model, edge_layer: int, features: dict[str, torch.Tensor], start: int = 0) -> KVPair:
         """Edge-space KV of one layer from the matched cloud layer's features; rotated at positions start.."""
-        raise NotImplementedError
+
+    @abstractmethod
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every parameter as named plain tensors (safetensors)."""
+
+    @abstractmethod
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Inverse of `tensors` (the layer pairing comes from `info`)."""
 
     def translate(self, cloud_acts, edge_model, edge_layers: list[int]) -> dict[int, KVPair]:
         """Edge-space KV (positions from 0) of each edge layer, from captured cloud activations over the prompt."""
@@ -248,82 +259,3 @@ class TrainedTranslator(HiddenTranslator):
     def parameters(self) -> list[torch.Tensor]:
         """The trainable tensors (every map's weight and bias), in layer order."""
         return self.map_parameters()
-
-
-# ------------------------------------------------------------------------------------- saving and loading
-# A saved translator is two files: translator.safetensors (its maps) and translator.json (name, layer pairing,
-# fit statistics, the fingerprints of the model pair it was made for, and the sha256 of the tensor file).
-
-TRANSLATOR_TENSORS = "translator.safetensors"
-TRANSLATOR_CONFIG = "translator.json"
-
-
-def translator_files(translator, cloud_fingerprint: str, edge_fingerprint: str) -> dict[str, bytes]:
-    """The two files of a saved translator, as bytes."""
-    from safetensors.torch import save as st_save
-
-    # float16 stays float16 (a compact fuser's maps); everything else is stored as float32
-    blob = st_save({k: v.detach().contiguous() if v.dtype == torch.float16 else v.detach().contiguous().float()
-                    for k, v in translator.tensors().items()})
-    config = {"format": "edgekv-translator", "version": 1, "name": translator.name,
-              "info": {str(i): v for i, v in sorted(translator.info.items())},
-              "cloud_fingerprint": cloud_fingerprint, "edge_fingerprint": edge_fingerprint,
-              "tensors_sha256": hashlib.sha256(blob).hexdigest()}
-    return {TRANSLATOR_TENSORS: blob, TRANSLATOR_CONFIG: json.dumps(config, indent=1).encode()}
-
-
-def translator_from_files(files: dict[str, bytes], where: str, cloud_fingerprint: str | None = None,
-                          edge_fingerprint: str | None = None):
-    """Rebuild a translator from its two files; refuses one made for another model pair, or altered bytes."""
-    from safetensors.torch import load as st_load
-
-
-    try:
-        config = json.loads(files[TRANSLATOR_CONFIG].decode("utf-8"))
-        blob = files[TRANSLATOR_TENSORS]
-        if config.get("format") != "edgekv-translator":
-            raise ValueError("not an edgekv translator")
-        cls = TRANSLATORS[config["name"]]
-    except KeyError as exc:
-        raise EdgeKVError(f"{where}: translator is missing {exc}") from exc
-    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
-        raise EdgeKVError(f"{where}: not a readable translator ({exc})") from exc
-    for what, want, have in (("cloud", cloud_fingerprint, config.get("cloud_fingerprint")),
-                             ("edge", edge_fingerprint, config.get("edge_fingerprint"))):
-        if want is not None and want != have:
-            raise EdgeKVError(f"{where}: translator made for another {what} model (fingerprint "
-                              f"{str(have)[:16]}…, this one is {want[:16]}…)")
-    if hashlib.sha256(blob).hexdigest() != config.get("tensors_sha256"):
-        raise EdgeKVError(f"{where}: translator tensors do not match their sha256 (corrupted or altered)")
-    translator = cls()
-    translator.info = {int(i): v for i, v in config["info"].items()}
-    try:
-        translator.load_tensors(st_load(blob))
-    except Exception as exc:  # safetensors' own error types, or a missing map
-        raise EdgeKVError(f"{where}: translator tensors do not fit its config ({exc})") from exc
-    return translator
-
-
-def save_translator(translator, path: str | Path, cloud_fingerprint: str, edge_fingerprint: str) -> None:
-    """Write translator.safetensors + translator.json into directory `path` (each file atomically)."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    for name, blob in translator_files(translator, cloud_fingerprint, edge_fingerprint).items():
-        tmp = path / f".{name}.tmp"
-        tmp.write_bytes(blob)
-        tmp.replace(path / name)
-
-
-def load_translator(path: str | Path, cloud_fingerprint: str | None = None, edge_fingerprint: str | None = None):
-    """A translator saved with `save_translator` (or a training checkpoint directory)."""
-    path = Path(path)
-    files = {}
-    for name in (TRANSLATOR_TENSORS, TRANSLATOR_CONFIG):
-        try:
-            files[name] = (path / name).read_bytes()
-        except OSError as exc:
-            raise EdgeKVError(f"{path}: no saved translator there ({name}: {exc.strerror or exc})") from exc
-    return translator_from_files(files, str(path), cloud_fingerprint, edge_fingerprint)
-
-
-from edgekv.kv import fusers  # noqa: E402,F401  (registers the fuse-* translators; it imports this module)

@@ -21,6 +21,7 @@ import torch
 from edgekv import EdgeKVError
 from edgekv.kv.decode import decode_tensors, edge_kv
 from edgekv.kv.export import KVExport
+from edgekv.kv.registry import TRANSLATOR_CONFIG, TRANSLATOR_TENSORS, translator_from_files
 from edgekv.models.structure import KVPair
 
 log = logging.getLogger("edgekv")
@@ -124,7 +125,6 @@ class LayerLoader:
         translator = None
         try:
             if self.export.manifest.get("translator", {}).get("applied_on") == "edge":
-                from edgekv.kv.translators import TRANSLATOR_CONFIG, TRANSLATOR_TENSORS, translator_from_files
 
                 files = {}
                 for name in (TRANSLATOR_TENSORS, TRANSLATOR_CONFIG):
