@@ -31,8 +31,8 @@ from edgekv.atomic import write_text_atomic
 from edgekv.models.loading import load_model
 from edgekv.models.prepack import prepack_linears
 from edgekv.serve.engine import Engine, GenRequest, SamplingParams, on_fresh_thread
-from edgekv.serve.http_server import percentile
 from edgekv.serve.session import EdgeSession
+from edgekv.summary import percentile
 from edgekv.texts import iter_sharegpt, sharegpt_texts
 
 

@@ -246,7 +246,7 @@ def test_ce_lslm_fuse_with_shut_gates_answers_as_edge_only(tiny_models, data, al
 
 
 def test_paired_differences_to_edge_only():
-    from edgekv.eval.report import paired_to_edge
+    from edgekv.eval.stats import paired_to_edge
 
     rows = [{"dataset": "d", "strategy": s, "id": i, "ref_nll": v}
             for i, (e, x) in enumerate([(1.0, 0.5), (2.0, 1.9), (3.0, 2.6)])

@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "edgekv"
 # text → models → attention → align → kv → serve → eval (edgekv/__init__.py says it in words)
 STAGES = {"models": 1, "attention": 2, "align": 3, "kv": 4, "serve": 5, "eval": 6}
-HELPERS = {"__init__", "atomic", "config", "progress", "plots", "texts"}  # shared, rank 0
+HELPERS = {"__init__", "atomic", "config", "progress", "plots", "summary", "texts"}  # shared, rank 0
 REEXPORTS = {"similarity", "pruning"}  # former public paths, for callers outside the project
 
 
@@ -43,6 +43,67 @@ def imported(source: str) -> list[str]:
         elif isinstance(node, ast.Import):
             out += [a.name for a in node.names if a.name.split(".")[0] == "edgekv"]
     return out
+
+
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """ids of the import nodes under `if TYPE_CHECKING:` (never run: they make no import circle)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            out |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return out
+
+
+def runtime_imports(module: str, source: str) -> set[str]:
+    """The edgekv modules `module` imports when it runs (top level or in functions, not `if TYPE_CHECKING:`);
+    `from pkg import name` counts as importing `pkg.name` when that is a module of the project."""
+    tree = ast.parse(source)
+    skip = _type_checking_only(tree)
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("edgekv"):
+            out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in MODULES}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == "edgekv"}
+    return {m for m in out if m in MODULES and m != module}
+
+
+MODULES = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every cycle of the import graph, each once (depth-first search from each module in name order)."""
+    cycles, seen = [], set()
+
+    def walk(node: str, path: list[str]) -> None:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in path:
+                cycle = path[path.index(nxt):]
+                key = frozenset(cycle)
+                if key not in seen:
+                    seen.add(key)
+                    cycles.append(cycle + [nxt])
+            elif len(path) < 12:
+                walk(nxt, path + [nxt])
+
+    for start in sorted(graph):
+        walk(start, [start])
+    return cycles
+
+
+def test_checker_catches_an_import_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_cycles(graph) == [["a", "b", "c", "a"]]
+    assert not import_cycles({"a": {"b"}, "b": set()})
+
+
+def test_no_import_circle_within_a_stage():
+    graph = {m: runtime_imports(m, p.read_text(encoding="utf-8")) for m, p in MODULES.items()}
+    cycles = import_cycles(graph)
+    assert not cycles, "\n".join(" → ".join(c) for c in cycles)
 
 
 def violations(module: str, source: str) -> list[str]:

@@ -18,10 +18,11 @@ from edgekv.kv.compress_job import CompressConfig, run_compress
 from edgekv.kv.export import KVStoreError
 from edgekv.models.loading import load_model
 from edgekv.serve.engine import SamplingParams, pick_token
-from edgekv.serve.http_server import EdgeServer, percentile
+from edgekv.serve.http_server import EdgeServer
 from edgekv.serve.pipeline import Link, overlap_efficiency, predict_ttft
 from edgekv.serve.session import EdgeSession
 from edgekv.serve.system_kv import prefix_kv
+from edgekv.summary import percentile
 from tests.conftest import _save, byte_tokenizer, tiny_qwen2
 
 runner = CliRunner()

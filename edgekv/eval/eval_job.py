@@ -30,10 +30,13 @@ from pathlib import Path
 import torch
 
 from edgekv import EdgeKVError
+from edgekv.align.mapping import MappingParams, build_mapping
 from edgekv.atomic import write_text_atomic
 from edgekv.config import command_config, to_dict
 from edgekv.eval.datasets import DATASETS, TRUNCATIONS, Request, load_requests
+from edgekv.eval.load_runs import poisson_run, summarize_load
 from edgekv.eval.metrics import BertScore, option_choice, rouge_l, upload_ratio
+from edgekv.eval.report import write_report
 from edgekv.eval.strategies import KVStrategy, parse_strategy
 from edgekv.kv.compress_job import _calibration, get_translator, resolve_pairs, run_compress
 from edgekv.kv.registry import TRANSLATORS, save_translator
@@ -186,8 +189,6 @@ class Runner:
             run_align(acfg, self.steps.progress)
         if variant in ("", "similarity"):
             return str(align_dir / "mapping.json")
-        from edgekv.align.mapping import MappingParams, build_mapping
-
         sim = json.loads((align_dir / "similarity.json").read_text())
         base = json.loads((align_dir / "mapping.json").read_text())
         matrices = {k: torch.tensor(v, dtype=torch.float64) for k, v in sim["metrics"].items()}
@@ -195,7 +196,7 @@ class Runner:
         mapping.update(num_cloud_layers=base["num_cloud_layers"], num_edge_layers=base["num_edge_layers"])
         path = self.out / "work" / f"mapping-{variant}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(mapping))
+        write_text_atomic(path, json.dumps(mapping))
         return str(path)
 
     def translator_path(self, variant: str) -> str:
@@ -227,7 +228,7 @@ class Runner:
                 / key[1]
             work.mkdir(parents=True, exist_ok=True)
             prompt_file = work / "system_prompt.txt"
-            prompt_file.write_text(system, encoding="utf-8")
+            write_text_atomic(prompt_file, system)
             cfg = st.compress_config(self, str(work / "kv"), f"@{prompt_file}")
             # variants of one strategy that differ only in ratio/codec share the cloud-side KV of the prompt
             family = (st.base, st.variant, key[1])
@@ -322,8 +323,6 @@ def check_resumable(out: Path, cfg: EvalConfig) -> None:
 
 def run_eval(cfg: EvalConfig, progress=None, models=None) -> dict:
     """Run (resuming), then write summary.csv, report.md, plots and config.json into cfg.out."""
-    from edgekv.eval.report import write_report
-
     cfg.validate()
     out = Path(cfg.out)
     try:
@@ -342,9 +341,7 @@ def run_eval(cfg: EvalConfig, progress=None, models=None) -> dict:
     results = out / "results.jsonl"
     rows = read_results(results)
     if rows:  # rewrite without a torn line, so appends start on a fresh line
-        tmp = results.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-        os.replace(tmp, results)
+        write_text_atomic(results, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     done = {(r["dataset"], r["strategy"], r["id"]) for r in rows}
     todo = [(d, s, k, r) for d in cfg.datasets for k, r in enumerate(requests[d]) if in_shard(k, cfg.shard)
             for s in cfg.strategies if (d, s, r.id) not in done]
@@ -428,8 +425,6 @@ def _in_order(rows: list[dict], cfg: dict) -> list[dict]:
 def rewrite_report(out: Path) -> dict:
     """Summaries and report.md of an eval directory made again from its results.jsonl and config.json (no
     model is loaded): after a merge, or when `edgekv plan` adds its sections."""
-    from edgekv.eval.report import write_report
-
     cfg = json.loads((out / "config.json").read_text(encoding="utf-8"))
     rows = _in_order(read_results(out / "results.jsonl"), cfg)
     scorer = next((r["bertscore_model"] for r in rows if r.get("bertscore_model")), None)
@@ -456,8 +451,6 @@ def reusable_load(out: Path, cfg: EvalConfig) -> list[dict]:
 
 def load_curves(runner: Runner, requests: list[Request], steps: Steps, earlier: list[dict] | None = None) -> list[dict]:
     """Poisson load runs per strategy and rate (see load_runs.py); (strategy, rate) pairs in `earlier` are kept."""
-    from edgekv.eval.load_runs import poisson_run, summarize_load
-
     cfg = runner.cfg
     kept = {(r["strategy"], r["rate"]): r for r in earlier or [] if r["strategy"] in cfg.strategies
             and r["rate"] in cfg.load_rates}

@@ -16,6 +16,7 @@ import urllib.request
 
 from edgekv.serve.http_server import EdgeServer
 from edgekv.serve.session import EdgeSession
+from edgekv.summary import mean, percentile
 
 
 def post_json(url: str, body: bytes, timeout: float) -> tuple[int, dict]:
@@ -76,6 +77,5 @@ def summarize_load(strategy: str, rate: float, rows: list[dict]) -> dict:
     lat = sorted(r["latency_s"] for r in ok)
     norm = [r["latency_s"] / max(1, r["tokens"]) for r in ok]
     return {"strategy": strategy, "rate": rate, "requests": len(rows), "errors": len(rows) - len(ok),
-            "latency_mean_s": sum(lat) / len(lat) if lat else None,
-            "latency_p90_s": lat[int(0.9 * (len(lat) - 1))] if lat else None,
-            "normalized_latency_s_per_token": sum(norm) / len(norm) if norm else None}
+            "latency_mean_s": mean(lat), "latency_p90_s": percentile(lat, 0.9),
+            "normalized_latency_s_per_token": mean(norm)}

@@ -35,7 +35,7 @@ from edgekv.eval.network import (
     profile_dict,
 )
 from edgekv.eval.quality_per_byte import qpb_table, quality_per_byte
-from edgekv.eval.report import paired_to_edge
+from edgekv.eval.stats import paired_to_edge
 from edgekv.eval.strategies import parse_strategy
 from edgekv.kv.compress_job import run_compress
 from edgekv.plots import save_figure

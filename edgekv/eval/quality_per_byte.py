@@ -8,9 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from edgekv.eval.network import pareto
-from edgekv.eval.report import _mean, paired_to_edge
+from edgekv.eval.stats import paired_to_edge
 from edgekv.eval.strategies import parse_strategy
 from edgekv.plots import save_figure
+from edgekv.summary import mean
 
 # The compass goal of issue 14: ≥ 8× fewer bytes than the cloud's fp16 KV at ≤ 1 BERTScore point and ≤ 0.02 nats.
 GOAL = {"ratio": 8.0, "bertscore": 0.01, "nll": 0.02}
@@ -32,13 +33,13 @@ def quality_per_byte(rows: list[dict], seed: int = 0) -> list[dict]:
             pair = [r for r in here if r["strategy"] in (name, reference)]
             nll = paired_to_edge(pair, "ref_nll", reference, seed)
             bert = paired_to_edge(pair, "bertscore_f1", reference, seed)
-            sent = _mean([r["bytes_cloud_to_edge"] for r in mine])
-            raw = _mean([r.get("cloud_fp16_bytes") for r in mine])
+            sent = mean([r["bytes_cloud_to_edge"] for r in mine])
+            raw = mean([r.get("cloud_fp16_bytes") for r in mine])
             row = {"dataset": dataset, "family": st.base + (f":{st.variant}" if st.variant else ""),
                    "strategy": name, "prune_ratio": st.prune_ratio, "quant": st.quant, "n": len(mine),
                    "mb_sent": sent / 2**20, "ratio_vs_cloud_fp16": raw / sent if raw and sent else None,
-                   "ref_nll": _mean([r["ref_nll"] for r in mine]),
-                   "bertscore_f1": _mean([r["bertscore_f1"] for r in mine])}
+                   "ref_nll": mean([r["ref_nll"] for r in mine]),
+                   "bertscore_f1": mean([r["bertscore_f1"] for r in mine])}
             for key, diff in (("d_nll", nll), ("d_bertscore", bert)):
                 d = diff[0] if diff else {"delta_mean": 0.0, "ci95_lo": None, "ci95_hi": None}
                 row.update({key: d["delta_mean"], f"{key}_lo": d["ci95_lo"], f"{key}_hi": d["ci95_hi"]})

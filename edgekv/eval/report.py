@@ -5,12 +5,13 @@ from __future__ import annotations
 import csv
 import io
 import json
-import statistics
 from pathlib import Path
 
 from edgekv.atomic import write_text_atomic
-from edgekv.eval.stats import bootstrap_ci, cell_seed, paired_bootstrap
+from edgekv.eval.quality_per_byte import GOAL, plot_pareto, qpb_table, quality_per_byte
+from edgekv.eval.stats import bootstrap_ci, cell_seed, paired_to_edge
 from edgekv.plots import save_figure
+from edgekv.summary import mean, median
 
 # Cells with a 95 % bootstrap interval: (column, row key, statistic). Quality and latency; the rest are costs that
 # do not vary between requests of one setting (memory, bytes) or are reported as plain means.
@@ -22,16 +23,6 @@ PLAIN_CELLS = ["ttft_s_mean", "base_memory_mb", "inference_memory_mb", "upload_r
 COLUMNS = ["dataset", "strategy", "n"] + [c for name, _, _ in INTERVAL_CELLS for c in
                                           (name, f"{name}_lo", f"{name}_hi")] + PLAIN_CELLS
 PAIRED_METRICS = [("ref_nll", "ref. NLL"), ("bertscore_f1", "BERTScore F1"), ("correct", "MMLU acc.")]
-
-
-def _mean(values: list) -> float | None:
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None
-
-
-def _median(values: list) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
 
 
 def summarize(rows: list[dict], seed: int = 0) -> list[dict]:
@@ -46,30 +37,14 @@ def summarize(rows: list[dict], seed: int = 0) -> list[dict]:
         s = {"dataset": dataset, "strategy": strategy, "n": len(rs)}
         for name, key, stat in INTERVAL_CELLS:
             values = [v for v in col(key) if v is not None]
-            s[name] = (_median if stat == "median" else _mean)(values)
+            s[name] = (median if stat == "median" else mean)(values)
             s[f"{name}_lo"], s[f"{name}_hi"] = bootstrap_ci(values, stat, cell_seed(seed, dataset, strategy, name))
-        s.update({"ttft_s_mean": _mean(col("ttft_s")), "base_memory_mb": _mean(col("base_memory_mb")),
-                  "inference_memory_mb": _mean(col("inference_memory_mb")), "upload_ratio": _mean(col("upload_ratio")),
-                  "transmitted_mb": _mean([b / 2**20 for b in col("bytes_cloud_to_edge")]),
-                  "cloud_s_mean": _mean(col("cloud_s"))})
+        s.update({"ttft_s_mean": mean(col("ttft_s")), "base_memory_mb": mean(col("base_memory_mb")),
+                  "inference_memory_mb": mean(col("inference_memory_mb")), "upload_ratio": mean(col("upload_ratio")),
+                  "transmitted_mb": mean([b / 2**20 for b in col("bytes_cloud_to_edge")]),
+                  "cloud_s_mean": mean(col("cloud_s"))})
         out.append(s)
     return out
-
-
-def paired_to_edge(rows: list[dict], key: str = "ref_nll", reference: str = "edge-only", seed: int = 0) -> list[dict]:
-    """Per (dataset, strategy): mean difference of `key` to the reference strategy on the same requests, with a
-    seeded 95 % bootstrap interval over requests (paired, so request difficulty cancels)."""
-    ref = {(r["dataset"], r["id"]): r.get(key) for r in rows if r["strategy"] == reference}
-    groups: dict[tuple[str, str], tuple[list, list]] = {}
-    for r in rows:
-        base = ref.get((r["dataset"], r["id"]))
-        if r["strategy"] != reference and r.get(key) is not None and base is not None:
-            a, b = groups.setdefault((r["dataset"], r["strategy"]), ([], []))
-            a.append(r[key])
-            b.append(base)
-    return [{"dataset": d, "strategy": s, "metric": key,
-             **paired_bootstrap(a, b, cell_seed(seed, d, s, key, "paired", reference))}
-            for (d, s), (a, b) in groups.items()]
 
 
 def paired_table(paired: list[dict], what: str) -> str:
@@ -215,7 +190,6 @@ def write_report(out: Path, rows: list[dict], config: dict, scorer: str | None, 
             (out / stale).unlink(missing_ok=True)
     qpb = []
     if any("@" in r["strategy"] for r in rows):
-        from edgekv.eval.quality_per_byte import GOAL, plot_pareto, qpb_table, quality_per_byte
 
         qpb = quality_per_byte(rows, seed)
         if qpb:

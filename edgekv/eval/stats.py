@@ -40,3 +40,19 @@ def paired_bootstrap(a: Sequence[float], b: Sequence[float], seed: int = 0,
     lo, hi = bootstrap_ci(d, "mean", seed, level)
     return {"n": len(d), "delta_mean": sum(d) / len(d) if d else None, "ci95_lo": lo, "ci95_hi": hi,
             "excludes_zero": lo is not None and (lo > 0 or hi < 0)}
+
+
+def paired_to_edge(rows: list[dict], key: str = "ref_nll", reference: str = "edge-only", seed: int = 0) -> list[dict]:
+    """Per (dataset, strategy): mean difference of `key` to the reference strategy on the same requests, with a
+    seeded 95 % bootstrap interval over requests (paired, so request difficulty cancels)."""
+    ref = {(r["dataset"], r["id"]): r.get(key) for r in rows if r["strategy"] == reference}
+    groups: dict[tuple[str, str], tuple[list, list]] = {}
+    for r in rows:
+        base = ref.get((r["dataset"], r["id"]))
+        if r["strategy"] != reference and r.get(key) is not None and base is not None:
+            a, b = groups.setdefault((r["dataset"], r["strategy"]), ([], []))
+            a.append(r[key])
+            b.append(base)
+    return [{"dataset": d, "strategy": s, "metric": key,
+             **paired_bootstrap(a, b, cell_seed(seed, d, s, key, "paired", reference))}
+            for (d, s), (a, b) in groups.items()]

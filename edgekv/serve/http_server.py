@@ -14,7 +14,7 @@ import threading
 import uvicorn
 
 from edgekv.serve.engine import Engine, SamplingParams
-from edgekv.serve.openai_api import APISettings, build_app, percentile  # noqa: F401 (bench, tests)
+from edgekv.serve.openai_api import APISettings, build_app
 from edgekv.serve.pool import ExportPool, export_id
 from edgekv.serve.session import EdgeSession
 

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from edgekv import EdgeKVError
 from edgekv.serve.engine import Engine, EngineBusy, GenRequest, Result, SamplingParams, TokenInfo
 from edgekv.serve.pool import ExportPool
+from edgekv.summary import percentile
 
 MAX_LOGPROBS = 5
 
@@ -494,17 +495,6 @@ async def _stream_chat(model: ServedModel, gen: GenRequest, rid: str, created: i
 
 
 # ------------------------------------------------------------------------------------------- metrics
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-quantile (0..1) by linear interpolation; None for no values."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = q * (len(xs) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
 
 class _EngineCollector:
     """Prometheus metrics read from the engines' counters at scrape time."""
