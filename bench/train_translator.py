@@ -65,7 +65,7 @@ def main() -> None:
 
         log = train(edge, trained, examples, m=args.m, steps=args.max_steps, lr=args.lr, sink=args.sink,
                     checkpoint=args.out, every=25, pair=(cloud.fingerprint, edge.fingerprint),
-                    on_step=lambda step, kl: bar.update(task, completed=step, kl=f"step {step} KL {kl:.4f}"),
+                    on_step=lambda step, e: bar.update(task, completed=step, kl=f"step {step} KL {e['kl']:.4f}"),
                     stop=lambda step: time.perf_counter() > deadline)
     window = max(1, len(examples))
     first = sum(e["kl"] for e in log[:window]) / min(window, len(log))

@@ -28,7 +28,8 @@ from edgekv import EdgeKVError
 from edgekv.atomic import write_tensors_atomic
 from edgekv.attention.fuse import enable_fusion
 from edgekv.kv.fusers import Fuser
-from edgekv.kv.training import example_index, optimizer_tensors, read_checkpoint, restore_optimizer, write_checkpoint
+from edgekv.kv.registry import save_translator
+from edgekv.kv.train_loop import Trainee, example_index, train_loop
 from edgekv.kv.translators import HiddenTranslator
 from edgekv.models.capture import capture
 from edgekv.models.structure import KVPair
@@ -209,73 +210,24 @@ def evaluate(edge, fuser: Fuser, examples: list[FuseExample], layers: list[int] 
     return {"kl": sum(kl) / len(kl), "nll": sum(nl) / len(nl)}
 
 
-def trainable(fuser: Fuser, maps: bool) -> list[torch.Tensor]:
-    """The tensors a run trains, in a fixed order: the gates, then (maps) every map's weight and bias."""
-    return fuser.parameters() + (fuser.map_parameters() if maps else [])
-
-
-def _save(path: Path, fuser: Fuser, params: list[torch.Tensor], opt: torch.optim.Optimizer, step: int, log: list,
-          pair) -> None:
-    tensors = {f"param.{n}": p.detach().clone().contiguous() for n, p in enumerate(params)}
-    tensors.update(optimizer_tensors(params, opt))
-    write_checkpoint(path, tensors, fuser, pair, {"step": step, "log": log})
-
-
-def _load(path: Path, params: list[torch.Tensor], opt: torch.optim.Optimizer) -> tuple[int, list]:
-    found = read_checkpoint(path)
-    if found is None:
-        return 0, []
-    tensors, progress = found
-    if sum(k.startswith("param.") for k in tensors) != len(params):
-        raise EdgeKVError(f"{path}: the checkpoint trained other tensors (maps trained or not?); use a new --out")
-    with torch.no_grad():
-        for n, p in enumerate(params):
-            p.copy_(tensors[f"param.{n}"])
-    restore_optimizer(params, opt, tensors)
-    return progress["step"], progress["log"]
-
-
 def train(edge, fuser: Fuser, examples: list[FuseExample], held_out: list[FuseExample], steps: int,
           lr: float = 0.05, ce_weight: float = 0.0, seed: int = 0, checkpoint: str | Path | None = None,
           every: int = 25, on_step=None, stop=None, pair: tuple[str | None, str | None] = (None, None),
           map_lr: float | None = None) -> list[dict]:
-    """Adam on the fuser's gates (and, with `map_lr`, its maps at that rate: needs raw examples), one text per
-    step in a seeded order; held-out KL/NLL every `every` steps and at the end; resumes from `checkpoint`;
-    `stop(step)` may end early. Every model weight stays frozen."""
+    """Adam on the fuser's gates (and, with `map_lr`, its maps at that rate: needs raw examples) through
+    `train_loop`, one text per step in a seeded order; held-out KL/NLL every `every` steps and at the end (at
+    step 0 with the hard gates as they are, later with every trained layer); resumes from `checkpoint`."""
     if map_lr is not None and any(ex.hidden is None for ex in examples + held_out):
         raise EdgeKVError("training the maps needs raw examples (prepare(..., raw=True))")
-    for p in edge.model.parameters():
-        p.requires_grad_(False)
-    params = trainable(fuser, map_lr is not None)
-    for p in params:
-        p.requires_grad_(True)
-    gates = fuser.parameters()
-    groups = [{"params": gates}] + ([{"params": params[len(gates):], "lr": map_lr}] if map_lr is not None else [])
-    opt = torch.optim.Adam(groups, lr=lr)
-    start, log = _load(Path(checkpoint), params, opt) if checkpoint else (0, [])
-    if start == 0 and held_out:
-        log.append({"step": 0, **{f"held_out_{k}": v for k, v in evaluate(edge, fuser, held_out, None).items()}})
-    for step in range(start, steps):
-        ex = examples[example_index(step, len(examples), seed)]
-        value = loss(edge, fuser, ex, ce_weight)
-        opt.zero_grad()
-        value.backward()
-        opt.step()
-        entry = {"step": step + 1, "train_loss": float(value.detach())}
-        done = step + 1 == steps or (stop is not None and stop(step + 1))
-        if held_out and ((step + 1) % every == 0 or done):
-            entry.update({f"held_out_{k}": v for k, v in
-                          evaluate(edge, fuser, held_out, sorted(fuser.info)).items()})
-        log.append(entry)
-        if on_step:
-            on_step(step + 1, entry)
-        if checkpoint and ((step + 1) % every == 0 or done):
-            _save(Path(checkpoint), fuser, params, opt, step + 1, log, pair)
-        if done:
-            break
-    for p in params:
-        p.requires_grad_(False)
-    return log
+    groups = [{"params": fuser.parameters()}]
+    if map_lr is not None:
+        groups.append({"params": fuser.map_parameters(), "lr": map_lr})
+    held = (lambda step: evaluate(edge, fuser, held_out, None if step == 0 else sorted(fuser.info))) \
+        if held_out else None
+    trainee = Trainee(groups, lambda step: loss(edge, fuser, examples[example_index(step, len(examples), seed)],
+                                                ce_weight),
+                      save=lambda path: save_translator(fuser, path, *pair), evaluate=held, frozen=[edge.model])
+    return train_loop(trainee, steps, lr, checkpoint, every, on_step, stop)
 
 
 @torch.no_grad()

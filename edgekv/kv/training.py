@@ -8,16 +8,14 @@ translator's maps learn; every model weight is frozen. Seeded; checkpoints are s
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
-from edgekv.atomic import write_tensors_atomic, write_text_atomic
 from edgekv.attention.splice import splice_layers
 from edgekv.kv.registry import load_translator, save_translator
+from edgekv.kv.train_loop import Trainee, example_index, train_loop
 from edgekv.kv.translators import TrainedTranslator, kv_from_hidden
 from edgekv.models.capture import capture
 from edgekv.texts import HeldOutText
@@ -71,94 +69,18 @@ def kl_loss(edge, translator, ex: TrainExample, m: int, sink: int) -> torch.Tens
     return (ex.target_logp.exp() * (ex.target_logp - student)).sum(-1).mean()
 
 
-def optimizer_tensors(params: list[torch.Tensor], opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """The optimizer's per-parameter state as named tensors (`opt.<n>.<key>`), for a safetensors checkpoint."""
-    return {f"opt.{n}.{k}": v.detach().reshape(v.shape).contiguous().clone()
-            for n, p in enumerate(params) for k, v in opt.state.get(p, {}).items() if torch.is_tensor(v)}
-
-
-def restore_optimizer(params: list[torch.Tensor], opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> None:
-    """Inverse of `optimizer_tensors` (resume is bit-exact)."""
-    for n, p in enumerate(params):
-        state = {k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"opt.{n}.")}
-        if state:
-            opt.state[p] = {k: (v if k != "step" else v.reshape(())) for k, v in state.items()}
-
-
-def write_checkpoint(path: Path, tensors: dict[str, torch.Tensor], translator, pair, progress: dict) -> None:
-    """A training checkpoint: state.safetensors (parameters + optimizer), the usable translator
-    (translator.safetensors + translator.json) and progress.json, each file written atomically."""
-    write_tensors_atomic(path / "state.safetensors", tensors)
-    save_translator(translator, path, *pair)
-    write_text_atomic(path / "progress.json", json.dumps(progress))
-
-
-def read_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict] | None:
-    """(state tensors, progress) of a checkpoint written by `write_checkpoint`, or None when there is none."""
-    if not (path / "progress.json").exists():
-        return None
-    return load_file(str(path / "state.safetensors")), json.loads((path / "progress.json").read_text())
-
-
-def _save(path: Path, translator: TrainedTranslator, opt: torch.optim.Optimizer, step: int, log: list,
-          pair: tuple[str | None, str | None]) -> None:
-    tensors = {f"map.{i}.{k}": getattr(translator.maps[i], k).detach().contiguous()
-               for i in translator.maps for k in ("weight", "bias")}
-    tensors.update(optimizer_tensors(translator.parameters(), opt))
-    info = {str(i): v for i, v in translator.info.items()}
-    write_checkpoint(path, tensors, translator, pair, {"step": step, "log": log, "info": info})
-
-
-def _load(path: Path, translator: TrainedTranslator, opt: torch.optim.Optimizer) -> tuple[int, list]:
-    found = read_checkpoint(path)
-    if found is None:
-        return 0, []
-    tensors, progress = found
-    with torch.no_grad():
-        for i in translator.maps:
-            translator.maps[i].weight.copy_(tensors[f"map.{i}.weight"])
-            translator.maps[i].bias.copy_(tensors[f"map.{i}.bias"])
-    restore_optimizer(translator.parameters(), opt, tensors)
-    return progress["step"], progress["log"]
-
-
-def example_index(step: int, n: int, seed: int) -> int:
-    """A fresh seeded permutation per epoch: the order of step s never depends on how many steps are asked for."""
-    epoch = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + step // n))
-    return int(epoch[step % n])
-
-
 def train(edge, translator: TrainedTranslator, examples: list[TrainExample], m: int, steps: int, lr: float = 1e-4,
           sink: int = 1, seed: int = 0, checkpoint: str | Path | None = None, every: int = 50,
           on_step=None, stop=None, pair: tuple[str | None, str | None] = (None, None)) -> list[dict]:
-    """Adam on the translator's maps for `steps` steps, one text per step in a seeded order; resumes from
-    `checkpoint` when it holds a saved state; `stop(step)` may end it early (a time budget). `pair` = (cloud,
-    edge) fingerprints recorded in the saved translator. Returns the loss log."""
-    for p in edge.model.parameters():
-        p.requires_grad_(False)
-    params = translator.parameters()
-    for p in params:
-        p.requires_grad_(True)
-    opt = torch.optim.Adam(params, lr=lr)
-    start, log = _load(Path(checkpoint), translator, opt) if checkpoint else (0, [])
-    for step in range(start, steps):
-        ex = examples[example_index(step, len(examples), seed)]
-        loss = kl_loss(edge, translator, ex, m, sink)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        log.append({"step": step + 1, "kl": float(loss.detach())})
-        if on_step:
-            on_step(step + 1, log[-1]["kl"])
-        done = step + 1 == steps or (stop is not None and stop(step + 1))
-        if checkpoint and ((step + 1) % every == 0 or done):
-            _save(Path(checkpoint), translator, opt, step + 1, log, pair)
-        if done:
-            break
-    for p in params:
-        p.requires_grad_(False)
-    return log
+    """Adam on the translator's maps (`train_loop`), one text per step in a seeded order, gradients clipped at
+    norm 1; resumes from `checkpoint`; `pair` = (cloud, edge) fingerprints recorded in the saved translator.
+    Returns the loss log (`kl` per step)."""
+    trainee = Trainee([{"params": translator.parameters()}],
+                      lambda step: kl_loss(edge, translator, examples[example_index(step, len(examples), seed)], m,
+                                           sink),
+                      save=lambda path: save_translator(translator, path, *pair), clip=1.0, loss_key="kl",
+                      frozen=[edge.model])
+    return train_loop(trainee, steps, lr, checkpoint, every, on_step, stop)
 
 
 def load_trained(path: str | Path, cloud_fingerprint: str | None = None,
