@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from edgekv import EdgeKVError
+from edgekv.attention.prefix_kv import prefix_kv
 from edgekv.kv.compress_job import CompressConfig, run_compress
 from edgekv.kv.export import KVStoreError
 from edgekv.models.loading import load_model
@@ -21,7 +22,6 @@ from edgekv.serve.engine import SamplingParams, pick_token
 from edgekv.serve.http_server import EdgeServer
 from edgekv.serve.pipeline import Link, overlap_efficiency, predict_ttft
 from edgekv.serve.session import EdgeSession
-from edgekv.serve.system_kv import prefix_kv
 from edgekv.summary import percentile
 from tests.conftest import _save, byte_tokenizer, tiny_qwen2
 
@@ -89,7 +89,7 @@ def test_the_system_kv_is_shared_not_copied(edge, export, tmp_path):
                    position_ids=torch.arange(session.prefix_len, session.prefix_len + 2)[None])
     for i in range(session.num_layers):
         shared = session.system.layer(i)[0]
-        assert all(c.layers[i]._prefix()[0] is shared for c in caches)
+        assert all(c.layers[i].prefix()[0] is shared for c in caches)
         assert all(c.layers[i].keys.shape[-2] == 2 for c in caches)  # each request stores only its own tokens
 
 

@@ -1,12 +1,10 @@
 """Spliced caches, the exact attention merge, translators and the fidelity harness on tiny models."""
 
-import copy
-
 import pytest
 import torch
 
 from edgekv.attention.merge import merge_attention
-from edgekv.attention.splice import splice_layers
+from edgekv.attention.prefix_kv import PrefixKV, continuation_logits
 from edgekv.eval.fidelity import evaluate_text, summarize
 from edgekv.kv.translators import HiddenTranslator, RidgeMap, RidgeTranslator, kv_from_hidden
 from edgekv.models.capture import capture
@@ -42,14 +40,18 @@ def test_splicing_own_kv_reproduces_full_prefill():
     model = tiny_qwen2(3, 32, 4, 2, seed=0).float()
     ids = torch.randint(0, 256, (20,))
     full = model(ids[None]).logits[0, 12:]
-    base = model(ids[None, :12], use_cache=True).past_key_values
-    own = {i: (base.layers[i].keys[0].clone(), base.layers[i].values[0].clone()) for i in (1, 2)}
-    cache = splice_layers(copy.deepcopy(base), own)
-    out = model(ids[None, 12:], past_key_values=cache, position_ids=torch.arange(12, 20)[None]).logits[0]
+    base = PrefixKV.of_model(model, ids[:12])
+    own = {i: (base.layer(i)[0][0].clone(), base.layer(i)[1][0].clone()) for i in (1, 2)}
+    out = continuation_logits(model, base.replaced(own), ids[12:])
     assert (out - full).abs().max() < 1e-5
-    wrong = splice_layers(copy.deepcopy(base), {2: (own[2][0] * 0, own[2][1] * 0)})
-    changed = model(ids[None, 12:], past_key_values=wrong, position_ids=torch.arange(12, 20)[None]).logits[0]
-    assert (changed - full).abs().max() > 1e-3  # the splice really reaches the attention
+    wrong = base.replaced({2: (own[2][0] * 0, own[2][1] * 0)})
+    assert (continuation_logits(model, wrong, ids[12:]) - full).abs().max() > 1e-3  # the splice reaches attention
+    sunk = base.replaced({2: (own[2][0] * 0, own[2][1] * 0)}, keep_first=3)
+    assert torch.equal(sunk.layer(2)[0][:, :, :3], base.layer(2)[0][:, :, :3]) and not sunk.layer(2)[0][:, :, 3:].any()
+    with pytest.raises(ValueError, match="does not fit"):
+        base.replaced({1: (own[1][0][:, :5], own[1][1][:, :5])})
+    with pytest.raises(RuntimeError, match="read-only"):
+        model(ids[None, 12:], past_key_values=base, position_ids=torch.arange(12, 20)[None])
 
 
 def test_hidden_translator_with_identity_map_reproduces_edge_kv():

@@ -21,12 +21,11 @@ Every condition predicts the continuation's tokens 1..C−1 (token 0 has no pred
 
 from __future__ import annotations
 
-import copy
 import math
 
 import torch
 
-from edgekv.attention.splice import splice_layers
+from edgekv.attention.prefix_kv import PrefixKV, continuation_logits
 from edgekv.kv.fuser_training import fused_continuation
 from edgekv.models.capture import capture
 from edgekv.texts import HeldOutText
@@ -36,14 +35,6 @@ def _nll_top1(logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch
     logp = torch.log_softmax(logits.float(), dim=-1)
     nll = -logp.gather(-1, targets[:, None]).squeeze(-1)
     return float(nll.mean()), logits.argmax(-1)
-
-
-@torch.no_grad()
-def _continue(model, cache, continuation: torch.Tensor, prefix_len: int) -> torch.Tensor:
-    """Logits for the continuation tokens 0..C−2 (predicting 1..C−1) on top of `cache`."""
-    positions = torch.arange(prefix_len, prefix_len + continuation.numel() - 1)[None]
-    out = model(input_ids=continuation[None, :-1], past_key_values=cache, position_ids=positions, use_cache=True)
-    return out.logits[0]
 
 
 def matched_noise(true: dict, translated: dict, seed: int) -> dict:
@@ -62,7 +53,7 @@ def matched_noise(true: dict, translated: dict, seed: int) -> dict:
 def _fused(edge, base, fuser, acts, text: HeldOutText, layers=None) -> torch.Tensor:
     """Continuation logits over the edge's own prefix cache joined with a fuser's KV (its open layers)."""
     translated = fuser.translate(acts, edge.model, sorted(fuser.info)) if layers != [] else {}
-    own = [(layer.keys[0], layer.values[0]) for layer in base.layers]
+    own = [(k[0], v[0]) for k, v in (base.layer(i) for i in range(base.num_layers))]
     return fused_continuation(edge, fuser, own, translated, text.prefix.numel(), text.continuation, layers)
 
 
@@ -101,7 +92,7 @@ def evaluate_text(edge, cloud, text: HeldOutText, translators: dict, splits: lis
     row("no-prefix", None, edge.model(text.continuation[None, :-1]).logits[0])
     row("cloud-no-prefix", None, cloud.model(text.continuation[None, :-1]).logits[0])
 
-    base = edge.model(text.prefix[None], use_cache=True).past_key_values
+    base = PrefixKV.of_model(edge.model, text.prefix)
     if fusers:
         self_features = sorted({f for t in fusers.values() if t.self_fuse for f in t.features})
         edge_acts = capture(edge.model, [text.prefix], self_features) if self_features else None
@@ -111,7 +102,7 @@ def evaluate_text(edge, cloud, text: HeldOutText, translators: dict, splits: lis
             row(name, min(fuser.info), _fused(edge, base, fuser, edge_acts if fuser.self_fuse else cloud_acts, text))
             if mismatched is not None and not fuser.self_fuse:
                 row(f"{name}@mismatched", min(fuser.info), _fused(edge, base, fuser, mismatched, text))
-    own = {i: (base.layers[i].keys[0].float(), base.layers[i].values[0].float()) for i in range(edge.num_layers)}
+    own = {i: (base.layer(i)[0][0].float(), base.layer(i)[1][0].float()) for i in range(edge.num_layers)}
     for name, translator in translators.items():
         translated = translator.translate(cloud_acts, edge.model, list(range(min(splits), edge.num_layers)))
         noisy = matched_noise({i: own[i] for i in translated}, translated, seed)
@@ -120,8 +111,8 @@ def evaluate_text(edge, cloud, text: HeldOutText, translators: dict, splits: lis
             for s in sinks:
                 tag = "" if len(sinks) == 1 else f"|sink={s}"
                 for condition, kv in ((name, translated), (f"noise:{name}", noisy)):
-                    cache = splice_layers(copy.deepcopy(base), {i: kv[i] for i in deep}, keep_first=s)
-                    row(condition + tag, m, _continue(edge.model, cache, text.continuation, p))
+                    spliced = base.replaced({i: kv[i] for i in deep}, keep_first=s)
+                    row(condition + tag, m, continuation_logits(edge.model, spliced, text.continuation[:-1]))
     return rows
 
 

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from transformers import DynamicCache
 
 from edgekv import EdgeKVError
 from edgekv.atomic import write_tensors_atomic
 from edgekv.attention.fuse import enable_fusion
+from edgekv.attention.prefix_kv import PrefixKV, continuation_logits, prefix_kv
 from edgekv.kv.fusers import Fuser
 from edgekv.kv.registry import save_translator
 from edgekv.kv.train_loop import Trainee, example_index, train_loop
@@ -87,12 +87,12 @@ def _features(edge, source, text: HeldOutText, fuser: Fuser, top_k: int | None,
     seen = []
     acts = capture(source.model, [full], fuser.features, select=lambda t, n: torch.arange(p),
                    on_output=lambda t, out: seen.append(out.logits[0, p:-1]))
-    cache = edge.model(text.prefix[None], use_cache=True).past_key_values
+    own = prefix_kv(edge.model, text.prefix)
     out = {"prefix": text.prefix, "continuation": text.continuation}
     if top_k:
         out["top_logp"], out["top_ids"] = torch.log_softmax(seen[0].float(), -1).topk(top_k, dim=-1)
-    for i, layer in enumerate(cache.layers):
-        out[f"own.{i}.k"], out[f"own.{i}.v"] = layer.keys[0], layer.values[0]
+    for i, (k, v) in enumerate(own):
+        out[f"own.{i}.k"], out[f"own.{i}.v"] = k[0], v[0]
     if raw:
         for i in sorted(fuser.info):
             # capture widens to float32; the model's own dtype holds these values exactly at half the bytes
@@ -161,13 +161,8 @@ def fused_continuation(edge, fuser: Fuser, own: list[KVPair], cloud: dict[int, K
     plus the fuser's work on the cloud KV of `layers` (default: the open hard gates); differentiable in the gates."""
     enable_fusion(edge.model)
     override, segments = fuser.fuse(edge.model, dict(enumerate(own)), cloud, layers)
-    cache = DynamicCache()
-    for i, (k, v) in enumerate(own):
-        k, v = override.get(i, (k, v))
-        cache.update(k[None], v[None], i)
-    positions = torch.arange(prefix_len, prefix_len + continuation.numel() - 1)[None]
-    return edge.model(input_ids=continuation[None, :-1], past_key_values=cache, position_ids=positions,
-                      cloud_segments=segments).logits[0]
+    prefix = PrefixKV([tuple(t[None] for t in override.get(i, kv)) for i, kv in enumerate(own)], prefix_len, segments)
+    return continuation_logits(edge.model, prefix, continuation[:-1])
 
 
 def fused_logits(edge, fuser: Fuser, ex: FuseExample, layers: list[int] | None = None) -> torch.Tensor:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from edgekv.attention.splice import splice_layers
+from edgekv.attention.prefix_kv import PrefixKV, continuation_logits
 from edgekv.kv.registry import load_translator, save_translator
 from edgekv.kv.train_loop import Trainee, example_index, train_loop
 from edgekv.kv.translators import TrainedTranslator, kv_from_hidden
@@ -52,15 +52,11 @@ def prepare(edge, cloud, texts: list[HeldOutText], translator: TrainedTranslator
 
 
 def spliced_logits(edge, translator: TrainedTranslator, ex: TrainExample, m: int, sink: int) -> torch.Tensor:
-    """Edge logits on the continuation over a cache whose layers ≥ m come from the translator (differentiable)."""
-    with torch.no_grad():
-        cache = edge.model(ex.prefix[None], use_cache=True).past_key_values
+    """Edge logits on the continuation over a prefix whose layers ≥ m come from the translator (differentiable)."""
+    own = PrefixKV.of_model(edge.model, ex.prefix)
     kv = {i: kv_from_hidden(edge.model, i, translator.maps[i].apply(ex.cloud_hidden[translator.info[i]["cloud_layer"]]))
           for i in translator.maps if i >= m}
-    splice_layers(cache, kv, keep_first=sink)
-    p = ex.prefix.numel()
-    positions = torch.arange(p, p + ex.continuation.numel() - 1)[None]
-    return edge.model(input_ids=ex.continuation[None, :-1], past_key_values=cache, position_ids=positions).logits[0]
+    return continuation_logits(edge.model, own.replaced(kv, keep_first=sink), ex.continuation[:-1])
 
 
 def kl_loss(edge, translator, ex: TrainExample, m: int, sink: int) -> torch.Tensor:

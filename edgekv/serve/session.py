@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from edgekv import EdgeKVError
+from edgekv.attention.prefix_kv import continuation_nll
 from edgekv.models.loading import LoadedModel
 from edgekv.serve.engine import Engine, GenRequest, Result, SamplingParams
 from edgekv.serve.pipeline import Link
@@ -101,15 +102,3 @@ def eos_ids(edge: LoadedModel) -> set[int]:
     if edge.tokenizer.eos_token_id is not None:
         ids.add(edge.tokenizer.eos_token_id)
     return ids
-
-
-def continuation_nll(model: torch.nn.Module, system: SystemKV, user: torch.Tensor,
-                     continuation: torch.Tensor) -> torch.Tensor:
-    """Mean NLL (nats/token) of `continuation` after `user`, over a request cache of `system` (differentiable
-    in the system KV when it was given as tensors that require grad; callers choose no_grad)."""
-    ids = torch.cat([user, continuation[:-1]])
-    positions = torch.arange(system.prefix_len, system.prefix_len + ids.numel())[None]
-    logits = model(input_ids=ids[None], past_key_values=system.request_cache(), position_ids=positions,
-                   use_cache=True, **system.attention_kwargs()).logits[0, user.numel() - 1:]
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -logp.gather(-1, continuation[:, None]).mean()

@@ -1,12 +1,13 @@
-"""The system prompt's KV for one edge model and one export (DESIGN.md §1, §5): the object every consumer of a
-shared prefix reads — the serving engine, eval, fidelity, training and distillation.
+"""The system prompt's KV for one edge model and one export (DESIGN.md §1, §5): what the serving engine and eval
+answer on.
 
-`SystemKV` is a transformers `Cache(layers=…)` whose layers are read-only `SystemLayer`s. Where each layer comes
-from is decided once, here: the edge's own prefill (layers < m, or all of them), the export (pipelined, see
-pipeline.py) behind the fallback chain (last verified local copy, then local prefill), a nearby peer's
-same-model export for the shallow layers, the edge's own KV for the first `sink` tokens, or — for a fuse export —
-the edge's own KV changed by the fuser plus gated cloud segments. A request never writes into it: it gets its
-own cache from `request_cache()`, whose `SharedPrefixLayer`s reference these tensors (no copy per request).
+`SystemKV` is a `PrefixKV` (a transformers `Cache(layers=…)`, `edgekv.attention.prefix_kv`) whose layers resolve on
+first read. Where each layer comes from is decided once, here: the edge's own prefill (layers < m, or all of them),
+the export (pipelined, see pipeline.py) behind the fallback chain (last verified local copy, then local prefill), a
+nearby peer's same-model export for the shallow layers, the edge's own KV for the first `sink` tokens, or — for a
+fuse export — the edge's own KV changed by the fuser plus gated cloud segments. A request never writes into it: it
+gets its own cache from `request_cache()`, whose `SharedPrefixLayer`s reference these tensors (no copy per
+request).
 """
 
 from __future__ import annotations
@@ -15,16 +16,13 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import Cache, CacheLayerMixin
 
 from edgekv import EdgeKVError
 from edgekv.attention.fuse import enable_fusion
-from edgekv.attention.shared_prefix import SharedPrefixLayer
+from edgekv.attention.prefix_kv import PrefixKV, prefix_kv
 from edgekv.kv.decode import decode_layer, edge_kv
 from edgekv.kv.export import (
     Expect,
@@ -44,91 +42,16 @@ from edgekv.serve.pipeline import Fallback, LayerLoader, Link, events_as_dicts
 log = logging.getLogger("edgekv")
 
 
-class _StopForward(Exception):
-    """Raised by a hook to end a forward pass after the layers we need."""
-
-
-@torch.no_grad()
-def prefix_kv(model: torch.nn.Module, ids: torch.Tensor, layers: int | None = None) -> list[KVPair]:
-    """The model's own KV (1, kv_heads, tokens, head_dim) of `ids` for layers 0..layers−1 only: the forward
-    stops after the last needed layer (the shallow part of a split is all the edge computes)."""
-    blocks = decoder_layers(model)
-    n = len(blocks) if layers is None else layers
-    if n == 0:
-        return []
-    cache = DynamicCache()
-    me = threading.get_ident()
-
-    def stop(module, args, output):
-        if threading.get_ident() == me:  # hooks are global: never end another thread's forward of this model
-            raise _StopForward
-
-    handle = blocks[n - 1].register_forward_hook(stop) if n < len(blocks) else None
-    try:
-        model(input_ids=ids[None], past_key_values=cache, use_cache=True, logits_to_keep=1)
-    except _StopForward:
-        pass
-    finally:
-        if handle is not None:
-            handle.remove()
-    return [(cache.layers[i].keys, cache.layers[i].values) for i in range(n)]
-
-
-class SystemLayer(CacheLayerMixin):
-    """One read-only layer of the system KV: `keys`/`values` resolve on first use (a layer in transit is waited
-    for only when something reads it). Requests append to their own cache, never here."""
-
-    is_sliding = False
-    is_compileable = False
-
-    def __init__(self, system: SystemKV, index: int):
-        super().__init__()
-        self.system, self.index, self.is_initialized = system, index, True
-
-    @property
-    def keys(self) -> torch.Tensor:
-        return self.system.layer(self.index)[0]
-
-    @keys.setter
-    def keys(self, value) -> None:  # CacheLayerMixin.__init__ assigns None; the tensors live in SystemKV
-        pass
-
-    @property
-    def values(self) -> torch.Tensor:
-        return self.system.layer(self.index)[1]
-
-    @values.setter
-    def values(self, value) -> None:
-        pass
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        raise EdgeKVError("the system KV is read-only: attend through SystemKV.request_cache()")
-
-    def update(self, key_states, value_states, *args, **kwargs) -> KVPair:
-        raise EdgeKVError("the system KV is read-only: attend through SystemKV.request_cache()")
-
-    def get_seq_length(self) -> int:
-        return self.system.prefix_len
-
-    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
-        return self.system.prefix_len + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-
-class SystemKV(Cache):
+class SystemKV(PrefixKV):
     """The system prompt's KV of every layer of one edge model, from wherever it comes (see the module doc)."""
 
     def __init__(self, edge: LoadedModel, kv: str | None = None, system_prompt: str | None = None,
                  link: Link | None = None, cache_dir: str | Path | None = None, local_sink_tokens: int | None = None,
-                 peer_kv: str | None = None, layers: list[KVPair] | None = None):
-        """From an export `kv` (with the fallbacks), or the edge's own prefill of `system_prompt`; `layers`
-        gives every layer's (1, kv_heads, P, d) KV outright (a trained or distilled prefix: differentiable)."""
+                 peer_kv: str | None = None):
+        """From an export `kv` (with the fallbacks), or the edge's own prefill of `system_prompt`."""
         self.edge, self.model, self.link = edge, edge.model, link or Link()
         self.dtype = next(self.model.parameters()).dtype
-        self.num_layers = len(decoder_layers(self.model))
-        super().__init__(layers=[SystemLayer(self, i) for i in range(self.num_layers)])
+        super().__init__(None, 0, num_layers=len(decoder_layers(self.model)))
         self.source, self.export, self.loader, self.peer_kv, self.shallow_source = "local-prefill", None, None, \
             peer_kv, "local"
         self._own: list[KVPair] | None = None
@@ -152,9 +75,7 @@ class SystemKV(Cache):
             self.system_ids = torch.tensor(ids, dtype=torch.long)
         self.prefix_len = int(self.system_ids.numel())
         self.splice = self.export.manifest.get("splice", "replace") if self.export is not None else "replace"
-        if layers is not None:
-            self._given(layers)
-        elif self.splice == "fuse":
+        if self.splice == "fuse":
             self._build_fused()
         else:
             self._build(local_sink_tokens)
@@ -182,13 +103,6 @@ class SystemKV(Cache):
         except KVStoreError as exc:
             log.warning("no usable local copy (%s); falling back to local full prefill", exc)
             return None
-
-    def _given(self, layers: list[KVPair]) -> None:
-        if len(layers) != self.num_layers or any(k.shape[-2] != self.prefix_len for k, _ in layers):
-            raise EdgeKVError(f"given system KV has {len(layers)} layers of {layers[0][0].shape[-2]} tokens; this "
-                              f"edge needs {self.num_layers} layers of {self.prefix_len}")
-        self.start_layer, self.sink_tokens, self.shallow, self.source = self.num_layers, 0, list(layers), "given"
-        self.timings = {"shallow_prefill_s": 0.0}
 
     def _build(self, local_sink_tokens: int | None) -> None:
         """Start the deep layers loading, then compute the shallow layers (overlapping the transfer)."""
@@ -312,16 +226,6 @@ class SystemKV(Cache):
     def segments(self) -> dict:
         """Layer → gated cloud attention segment (`CloudSegment`) beside the own KV; {} unless a fuse export."""
         return self._fused()[1]
-
-    def attention_kwargs(self) -> dict:
-        """What the model's forward needs besides the cache (the fuse segments, when there are any)."""
-        return {"cloud_segments": self.segments} if self.splice == "fuse" else {}
-
-    def request_cache(self, on_wait: Callable[[float], None] | None = None) -> Cache:
-        """A request's own cache: every layer references this system KV (no copy) and stores only the request's
-        tokens; `on_wait` receives the seconds spent waiting for a layer in transit."""
-        return Cache(layers=[SharedPrefixLayer(lambda i=i: self.layer(i), self.prefix_len, on_wait)
-                             for i in range(self.num_layers)])
 
     def wait_loaded(self) -> None:
         """Block until every layer is in."""

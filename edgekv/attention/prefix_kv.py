@@ -1,0 +1,196 @@
+"""A prefix's KV as a transformers `Cache(layers=…)` (DESIGN.md §1): what a system prompt's KV *is*, whatever
+computed it. `PrefixKV` holds every layer's (1, kv_heads, P, d) keys and values read-only, plus the gated cloud
+segments of a fusion; a request never writes into it but attends through `request_cache()`, whose
+`SharedPrefixLayer`s reference the prefix (no copy) and store only the request's own tokens. Positions continue
+after the prefix. Training, fidelity and the server all read a prefix this way; where its layers come from (an
+export, a peer, the edge's own prefill) is `edgekv.serve.system_kv`'s business.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+
+from edgekv.models.structure import KVPair, decoder_layers
+
+
+class _StopForward(Exception):
+    """Raised by a hook to end a forward pass after the layers we need."""
+
+
+@torch.no_grad()
+def prefix_kv(model: torch.nn.Module, ids: torch.Tensor, layers: int | None = None) -> list[KVPair]:
+    """The model's own KV (1, kv_heads, tokens, head_dim) of `ids` for layers 0..layers−1 only: the forward
+    stops after the last needed layer (the shallow part of a split is all the edge computes)."""
+    blocks = decoder_layers(model)
+    n = len(blocks) if layers is None else layers
+    if n == 0:
+        return []
+    cache = DynamicCache()
+    me = threading.get_ident()
+
+    def stop(module, args, output):
+        if threading.get_ident() == me:  # hooks are global: never end another thread's forward of this model
+            raise _StopForward
+
+    handle = blocks[n - 1].register_forward_hook(stop) if n < len(blocks) else None
+    try:
+        model(input_ids=ids[None], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    except _StopForward:
+        pass
+    finally:
+        if handle is not None:
+            handle.remove()
+    return [(cache.layers[i].keys, cache.layers[i].values) for i in range(n)]
+
+
+class SharedPrefixLayer(DynamicLayer):
+    """A request's cache layer = a read-only prefix shared across requests (resolved on first use, so a layer
+    still in transit is waited for only when attention needs it) + this request's own keys/values."""
+
+    def __init__(self, prefix: Callable[[], KVPair], prefix_len: int, on_wait: Callable[[float], None] | None = None):
+        super().__init__()
+        self.prefix, self.prefix_len, self._on_wait = prefix, prefix_len, on_wait
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> KVPair:
+        """Append the request's new tokens; return prefix + own tokens for attention."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        start = time.perf_counter()
+        pk, pv = self.prefix()
+        if self._on_wait is not None:
+            self._on_wait(time.perf_counter() - start)
+        return torch.cat([pk.to(self.keys.dtype), self.keys], dim=-2), torch.cat(
+            [pv.to(self.values.dtype), self.values], dim=-2)
+
+    def get_seq_length(self) -> int:
+        """Prefix + own tokens."""
+        own = self.keys.shape[-2] if self.is_initialized and self.keys.numel() else 0
+        return self.prefix_len + own
+
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        """(kv length, offset) for mask creation."""
+        return self.get_seq_length() + query_length, 0
+
+
+class PrefixLayer(CacheLayerMixin):
+    """One read-only layer of a `PrefixKV`: `keys`/`values` resolve through the prefix on each read."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, prefix: PrefixKV, index: int):
+        super().__init__()
+        self.prefix, self.index, self.is_initialized = prefix, index, True
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.prefix.layer(self.index)[0]
+
+    @keys.setter
+    def keys(self, value) -> None:  # CacheLayerMixin.__init__ assigns None; the tensors live in the PrefixKV
+        pass
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.prefix.layer(self.index)[1]
+
+    @values.setter
+    def values(self, value) -> None:
+        pass
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        raise RuntimeError("a prefix's KV is read-only: attend through PrefixKV.request_cache()")
+
+    def update(self, key_states, value_states, *args, **kwargs) -> KVPair:
+        raise RuntimeError("a prefix's KV is read-only: attend through PrefixKV.request_cache()")
+
+    def get_seq_length(self) -> int:
+        return self.prefix.prefix_len
+
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        return self.prefix.prefix_len + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class PrefixKV(Cache):
+    """Every layer's KV of a prefix of `prefix_len` tokens (given as tensors, possibly trainable) and the gated
+    cloud segments (layer → `CloudSegment`) that attend beside it."""
+
+    def __init__(self, layers: list[KVPair] | None, prefix_len: int, segments: dict | None = None,
+                 num_layers: int | None = None):
+        """`layers` None: a subclass resolves `layer(i)` itself (then `num_layers` says how many there are)."""
+        self._layers = list(layers) if layers is not None else None
+        self.num_layers = len(self._layers) if layers is not None else int(num_layers)
+        self.prefix_len, self._segments = int(prefix_len), dict(segments or {})
+        if layers is not None and any(k.shape[-2] != self.prefix_len for k, _ in self._layers):
+            raise ValueError(f"every layer must hold {self.prefix_len} prefix tokens")
+        super().__init__(layers=[PrefixLayer(self, i) for i in range(self.num_layers)])
+
+    @classmethod
+    def of_model(cls, model: torch.nn.Module, ids: torch.Tensor) -> PrefixKV:
+        """The model's own prefill of `ids`."""
+        return cls(prefix_kv(model, ids), ids.numel())
+
+    def layer(self, i: int) -> KVPair:
+        """Layer i's (1, kv_heads, P, d) keys and values."""
+        return self._layers[i]
+
+    @property
+    def segments(self) -> dict:
+        """Layer → gated cloud attention segment beside the layer's KV ({} without a fusion)."""
+        return self._segments
+
+    def attention_kwargs(self) -> dict:
+        """What the model's forward needs besides the cache (the fusion segments, when there are any)."""
+        return {"cloud_segments": self.segments} if self.segments else {}
+
+    def request_cache(self, on_wait: Callable[[float], None] | None = None) -> Cache:
+        """A request's own cache over this prefix (no copy); `on_wait` receives seconds spent waiting for a
+        layer that is still in transit."""
+        return Cache(layers=[SharedPrefixLayer(lambda i=i: self.layer(i), self.prefix_len, on_wait)
+                             for i in range(self.num_layers)])
+
+    def replaced(self, layers: dict[int, KVPair], keep_first: int = 0) -> PrefixKV:
+        """A new prefix with layer i's KV replaced by `layers[i]` ((kv_heads, P, d) or (1, kv_heads, P, d), cast to
+        the layer's dtype; differentiable), the first `keep_first` tokens keeping this prefix's KV (the
+        attention-sink tokens the edge computes itself)."""
+        out = []
+        for i in range(self.num_layers):
+            k, v = self.layer(i)
+            if i in layers:
+                nk, nv = (t if t.dim() == 4 else t[None] for t in layers[i])
+                if nk.shape != k.shape or nv.shape != v.shape:
+                    raise ValueError(f"layer {i}: replacement {tuple(nk.shape)}/{tuple(nv.shape)} does not fit "
+                                     f"{tuple(k.shape)}/{tuple(v.shape)}")
+                nk, nv = nk.to(k.dtype), nv.to(v.dtype)
+                if keep_first:
+                    nk = torch.cat([k[:, :, :keep_first], nk[:, :, keep_first:]], dim=2)
+                    nv = torch.cat([v[:, :, :keep_first], nv[:, :, keep_first:]], dim=2)
+                k, v = nk, nv
+            out.append((k, v))
+        return PrefixKV(out, self.prefix_len, self.segments)
+
+
+def continuation_logits(model: torch.nn.Module, prefix: PrefixKV, ids: torch.Tensor) -> torch.Tensor:
+    """The model's logits (T, vocab) at each of `ids` read after `prefix` (positions continue after it);
+    differentiable in the prefix's tensors (callers choose no_grad)."""
+    positions = torch.arange(prefix.prefix_len, prefix.prefix_len + ids.numel())[None]
+    return model(input_ids=ids[None], past_key_values=prefix.request_cache(), position_ids=positions,
+                 use_cache=True, **prefix.attention_kwargs()).logits[0]
+
+
+def continuation_nll(model: torch.nn.Module, prefix: PrefixKV, user: torch.Tensor,
+                     continuation: torch.Tensor) -> torch.Tensor:
+    """Mean NLL (nats/token) of `continuation` after `user`, both read after `prefix`."""
+    logits = continuation_logits(model, prefix, torch.cat([user, continuation[:-1]]))[user.numel() - 1:]
+    return -torch.log_softmax(logits.float(), dim=-1).gather(-1, continuation[:, None]).mean()
