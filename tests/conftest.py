@@ -46,7 +46,7 @@ def tiny_opt(layers: int, hidden: int, heads: int, seed: int):
     return OPTForCausalLM(cfg).eval()
 
 
-def _save(model, tokenizer, path: Path) -> str:
+def save_model(model, tokenizer, path: Path) -> str:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
@@ -58,10 +58,10 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
     an OPT model, and an edge twin whose tokenizer has other ids."""
     root = tmp_path_factory.mktemp("tiny")
     return {
-        "cloud": _save(tiny_qwen2(4, 64, 4, 2, seed=1), byte_tokenizer(), root / "cloud"),
-        "edge": _save(tiny_qwen2(3, 32, 4, 2, seed=2), byte_tokenizer(), root / "edge"),
-        "opt": _save(tiny_opt(2, 32, 4, seed=3), byte_tokenizer(), root / "opt"),
-        "edge_other_tokenizer": _save(tiny_qwen2(3, 32, 4, 2, seed=2), byte_tokenizer(permute=True),
+        "cloud": save_model(tiny_qwen2(4, 64, 4, 2, seed=1), byte_tokenizer(), root / "cloud"),
+        "edge": save_model(tiny_qwen2(3, 32, 4, 2, seed=2), byte_tokenizer(), root / "edge"),
+        "opt": save_model(tiny_opt(2, 32, 4, seed=3), byte_tokenizer(), root / "opt"),
+        "edge_other_tokenizer": save_model(tiny_qwen2(3, 32, 4, 2, seed=2), byte_tokenizer(permute=True),
                                       root / "edge_other"),
     }
 
@@ -76,3 +76,43 @@ def calib_file(tmp_path) -> Path:
     path = tmp_path / "calib.jsonl"
     path.write_text("\n".join(json.dumps({"text": t}) for t in texts) + "\n")
     return path
+
+
+# ------------------------------------------------------------------------------------------- shared texts and
+# a tiny edge whose greedy path depends strongly on its cache (serving, engine and API tests)
+
+SYSTEM = "System: you are a careful assistant for a cloud-edge research group. Answer briefly and exactly. "
+USERS = ["User: what is a KV cache?", "User: name three prime numbers.", "User: ¿qué es la atención? ünïcode"]
+PROMPT = "You are a helpful assistant. Background: the cloud computes this prompt's KV cache once. " * 2
+ARTICLE = ("The council approved a new cycle lane along the river on Tuesday after a long public consultation. "
+           "Residents said the lane would make the school run safer, while shop owners worried about parking. ")
+
+
+@pytest.fixture(scope="module")
+def edge_dir(tmp_path_factory):
+    """A tiny Qwen2 edge (3 layers); initializer_range 0.2 makes its greedy path depend strongly on its cache."""
+    model = tiny_qwen2(3, 32, 4, 2, seed=7, init=0.2)
+    return save_model(model, byte_tokenizer(), tmp_path_factory.mktemp("e") / "edge")
+
+
+@pytest.fixture(scope="module")
+def edge(edge_dir):
+    """The tiny edge, loaded in float32."""
+    from edgekv.models.loading import load_model
+
+    return load_model(edge_dir, "float32")
+
+
+def make_export(edge_dir, out, start_layer=1, quant="fp32", system=SYSTEM, tar=False):
+    """A same-model export of `system` for the tiny edge."""
+    from edgekv.kv.compress_job import CompressConfig, run_compress
+
+    run_compress(CompressConfig(out=str(out), cloud=edge_dir, edge=edge_dir, system_prompt=system, dtype="float32",
+                                quant=quant, start_layer=start_layer, tar=tar))
+    return out
+
+
+@pytest.fixture(scope="module")
+def export(edge_dir, tmp_path_factory):
+    """make_export at its defaults (layers 1.. shipped)."""
+    return make_export(edge_dir, tmp_path_factory.mktemp("kv") / "kv")

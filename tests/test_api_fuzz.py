@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from edgekv.serve.openai_api import APISettings, build_app
 from edgekv.serve.pool import ExportPool
 from edgekv.serve.session import EdgeSession
-from tests.test_serving import _export, edge, edge_dir  # noqa: F401 (fixtures)
+from tests.conftest import make_export
 
 KEY = "sk-fuzz"
 
@@ -16,7 +16,7 @@ KEY = "sk-fuzz"
 @pytest.fixture(scope="module")
 def api_schema(edge, edge_dir, tmp_path_factory):  # noqa: F811 (the imported fixtures)
     tmp = tmp_path_factory.mktemp("fuzz")
-    session = EdgeSession(edge, str(_export(edge_dir, tmp / "kv", 1)), cache_dir=tmp / "c")
+    session = EdgeSession(edge, str(make_export(edge_dir, tmp / "kv", 1)), cache_dir=tmp / "c")
     pool = ExportPool.of_session("kv", session, max_batch=4, max_queue=64)
     app = build_app(pool, APISettings(api_key=KEY, max_body_bytes=8192, max_tokens_limit=16))
     yield schemathesis.openapi.from_asgi("/openapi.json", app)

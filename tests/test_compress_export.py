@@ -13,10 +13,9 @@ from edgekv.kv.compress_job import CompressConfig, run_compress
 from edgekv.kv.decode import decode_layer, edge_kv
 from edgekv.kv.export import Expect, KVExport, KVStoreError, tokenizer_fingerprint
 from edgekv.models.loading import load_model
-from tests.conftest import byte_tokenizer
+from tests.conftest import PROMPT, byte_tokenizer
 
 runner = CliRunner()
-PROMPT = "You are a helpful assistant. Background: the cloud computes this prompt's KV cache once. " * 2
 
 
 def _compress(tiny_models, out, **kw):

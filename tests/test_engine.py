@@ -9,7 +9,7 @@ from edgekv.attention.merge import segment_attention
 from edgekv.attention.relay import RelayBatch, relay_attention
 from edgekv.serve.engine import Engine, EngineBusy, GenRequest, SamplingParams
 from edgekv.serve.session import EdgeSession
-from tests.test_serving import USERS, _export, edge, edge_dir  # noqa: F401 (fixtures)
+from tests.conftest import USERS, make_export
 
 PROMPTS = USERS + ["User: a much longer question about caches, layers, heads and the way the edge decodes " * 2,
                    "Hi", "User: 12345"]
@@ -17,7 +17,7 @@ PROMPTS = USERS + ["User: a much longer question about caches, layers, heads and
 
 @pytest.fixture()
 def session(edge, edge_dir, tmp_path):  # noqa: F811 (the imported fixtures)
-    s = EdgeSession(edge, str(_export(edge_dir, tmp_path / "kv", 1)), cache_dir=tmp_path / "c")
+    s = EdgeSession(edge, str(make_export(edge_dir, tmp_path / "kv", 1)), cache_dir=tmp_path / "c")
     s.eos_ids = set()  # compare every token even past an EOS
     return s
 

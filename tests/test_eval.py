@@ -12,11 +12,9 @@ from edgekv.align.align_job import AlignConfig, run_align
 from edgekv.eval.datasets import load_requests
 from edgekv.eval.eval_job import EvalConfig, read_results, run_eval
 from edgekv.eval.metrics import accuracy, lcs_length, rouge_l, upload_ratio
-from tests.conftest import byte_tokenizer
+from tests.conftest import ARTICLE, byte_tokenizer
 
 runner = CliRunner()
-ARTICLE = ("The council approved a new cycle lane along the river on Tuesday after a long public consultation. "
-           "Residents said the lane would make the school run safer, while shop owners worried about parking. ")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from edgekv.kv.translators import HiddenTranslator
 from edgekv.models.capture import capture
 from edgekv.models.loading import load_model
 from edgekv.texts import HeldOutText
-from tests.conftest import _save, byte_tokenizer, tiny_qwen2
+from tests.conftest import PROMPT, byte_tokenizer, save_model, tiny_qwen2
 
 
 def _qkv(seed, heads=4, kv_heads=2, t=5, s_a=7, s_b=6, d=8):
@@ -66,8 +66,8 @@ def test_causal_segment_attention_aligns_queries_with_the_last_keys():
 
 def _pair(tmp_path, calib_file):
     # initializer_range 0.2: at the usual 0.02 a random tiny model's outputs barely depend on its deep KV
-    cloud_dir = _save(tiny_qwen2(4, 64, 4, 2, seed=1, init=0.2), byte_tokenizer(), tmp_path / "cloud")
-    edge_dir = _save(tiny_qwen2(3, 32, 4, 2, seed=2, init=0.2), byte_tokenizer(), tmp_path / "edge")
+    cloud_dir = save_model(tiny_qwen2(4, 64, 4, 2, seed=1, init=0.2), byte_tokenizer(), tmp_path / "cloud")
+    edge_dir = save_model(tiny_qwen2(3, 32, 4, 2, seed=2, init=0.2), byte_tokenizer(), tmp_path / "edge")
     cloud, edge = load_model(cloud_dir, "float32"), load_model(edge_dir, "float32")
     seqs = [torch.tensor(edge.tokenizer(t)["input_ids"][:70]) for t in calib_file.read_text().splitlines()]
     hidden = HiddenTranslator().fit(capture(cloud.model, seqs, ("hidden_in",)),
@@ -196,7 +196,6 @@ def test_fidelity_harness_runs_fusers_and_closed_equals_edge(calib_file, tmp_pat
 
 def _fuse_export(tiny_models, calib_file, tmp_path, bias: float, name: str):
     from edgekv.kv.compress_job import CompressConfig, run_compress
-    from tests.test_compress_export import PROMPT
 
     cloud, edge = load_model(tiny_models["cloud"], "float32"), load_model(tiny_models["edge"], "float32")
     seqs = [torch.tensor(edge.tokenizer(t)["input_ids"][:40]) for t in calib_file.read_text().splitlines()]
@@ -242,7 +241,6 @@ def test_fuse_export_round_trips_and_serves_the_edge_alone_when_gates_are_shut(t
 
 def test_compress_refuses_fuse_without_a_fuser_and_an_all_closed_fuser(tiny_models, calib_file, tmp_path):
     from edgekv.kv.compress_job import CompressConfig, run_compress
-    from tests.test_compress_export import PROMPT
 
     base = dict(cloud=tiny_models["cloud"], edge=tiny_models["edge"], system_prompt=PROMPT, dtype="float32")
     with pytest.raises(EdgeKVError, match="--splice fuse needs a trained fuser"):

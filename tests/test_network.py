@@ -9,6 +9,7 @@ from cli.main import app
 from edgekv import EdgeKVError
 from edgekv.eval.network import Candidate, Profile, pareto, plan, predict
 from edgekv.serve.pipeline import Link, pipeline_ttft
+from tests.conftest import ARTICLE
 
 runner = CliRunner()
 
@@ -76,7 +77,6 @@ def test_pareto_front():
 def qpb_run(tiny_models, tmp_path_factory):
     from edgekv.align.align_job import AlignConfig, run_align
     from edgekv.eval.eval_job import EvalConfig, run_eval
-    from tests.test_eval import ARTICLE
 
     root = tmp_path_factory.mktemp("qpb")
     xsum = root / "xsum.jsonl"

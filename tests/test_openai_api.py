@@ -10,7 +10,7 @@ import pytest
 from edgekv.serve.engine import SamplingParams
 from edgekv.serve.http_server import EdgeServer
 from edgekv.serve.session import EdgeSession
-from tests.test_serving import USERS, _export, edge, edge_dir  # noqa: F401 (fixtures)
+from tests.conftest import USERS, make_export
 
 KEY = "sk-test-edgekv"
 
@@ -18,7 +18,7 @@ KEY = "sk-test-edgekv"
 @pytest.fixture(scope="module")
 def served(edge, edge_dir, tmp_path_factory):  # noqa: F811 (the imported fixtures)
     tmp = tmp_path_factory.mktemp("api")
-    session = EdgeSession(edge, str(_export(edge_dir, tmp / "kv", 1)), cache_dir=tmp / "c")
+    session = EdgeSession(edge, str(make_export(edge_dir, tmp / "kv", 1)), cache_dir=tmp / "c")
     srv = EdgeServer(session, "127.0.0.1", 0, max_body=4096, max_tokens_limit=64, api_key=KEY, max_batch=8)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{srv.server_address[1]}"
@@ -138,8 +138,8 @@ def test_many_exports_per_server_and_a_memory_budget(edge, edge_dir, tmp_path): 
     from edgekv.serve.serve_job import ServeConfig, open_server, open_session
 
     folder = tmp_path / "exports"
-    _export(edge_dir, folder / "support", 1)
-    _export(edge_dir, folder / "legal", 1, system="System: you answer questions about contracts, tersely. ")
+    make_export(edge_dir, folder / "support", 1)
+    make_export(edge_dir, folder / "legal", 1, system="System: you answer questions about contracts, tersely. ")
     one = EdgeSession(edge, str(folder / "support"), cache_dir=tmp_path / "c")
     budget_mb = one.system.nbytes * 1.5 / 2**20  # room for one export's system KV, not two
     cfg = ServeConfig(edge=edge_dir, kv=str(folder), dtype="float32", port=1, max_kv_mb=budget_mb,

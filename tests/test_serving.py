@@ -15,7 +15,6 @@ from typer.testing import CliRunner
 from cli.main import app
 from edgekv import EdgeKVError
 from edgekv.attention.prefix_kv import prefix_kv
-from edgekv.kv.compress_job import CompressConfig, run_compress
 from edgekv.kv.export import KVStoreError
 from edgekv.models.loading import load_model
 from edgekv.serve.engine import SamplingParams, pick_token
@@ -23,35 +22,9 @@ from edgekv.serve.http_server import EdgeServer
 from edgekv.serve.pipeline import Link, overlap_efficiency, predict_ttft
 from edgekv.serve.session import EdgeSession
 from edgekv.summary import percentile
-from tests.conftest import _save, byte_tokenizer, tiny_qwen2
+from tests.conftest import SYSTEM, USERS, byte_tokenizer, make_export, save_model, tiny_qwen2
 
 runner = CliRunner()
-SYSTEM = "System: you are a careful assistant for a cloud-edge research group. Answer briefly and exactly. "
-USERS = ["User: what is a KV cache?", "User: name three prime numbers.", "User: ¿qué es la atención? ünïcode"]
-
-
-@pytest.fixture(scope="module")
-def edge_dir(tmp_path_factory):
-    # initializer_range 0.2 makes a random tiny model's greedy path depend strongly on its cache
-    return _save(tiny_qwen2(3, 32, 4, 2, seed=7, init=0.2), byte_tokenizer(), tmp_path_factory.mktemp("e") / "edge")
-
-
-@pytest.fixture(scope="module")
-def edge(edge_dir):
-    return load_model(edge_dir, "float32")
-
-
-def _export(edge_dir, out, start_layer=1, quant="fp32", system=SYSTEM, tar=False):
-    run_compress(CompressConfig(out=str(out), cloud=edge_dir, edge=edge_dir, system_prompt=system, dtype="float32",
-                                quant=quant, start_layer=start_layer, tar=tar))
-    return out
-
-
-@pytest.fixture(scope="module")
-def export(edge_dir, tmp_path_factory):
-    return _export(edge_dir, tmp_path_factory.mktemp("kv") / "kv")
-
-
 def _reference(edge, user, n):
     ids = edge.tokenizer(SYSTEM)["input_ids"] + edge.tokenizer(user, add_special_tokens=False)["input_ids"]
     full = torch.tensor(ids)[None]
@@ -64,7 +37,7 @@ def _reference(edge, user, n):
 
 @pytest.mark.parametrize("start_layer", [0, 1, 2])
 def test_spliced_greedy_equals_generate_on_the_concatenation(edge, edge_dir, tmp_path, start_layer):
-    session = EdgeSession(edge, str(_export(edge_dir, tmp_path / "kv", start_layer)), cache_dir=tmp_path / "c")
+    session = EdgeSession(edge, str(make_export(edge_dir, tmp_path / "kv", start_layer)), cache_dir=tmp_path / "c")
     assert session.system.start_layer == start_layer
     for user in USERS:
         want, logits = _reference(edge, user, 24)
@@ -146,7 +119,7 @@ def test_link_emulator_paces_transfers(edge, export, tmp_path):
 
 
 def test_corrupt_layer_mid_stream_falls_back_and_still_answers(edge, edge_dir, tmp_path, caplog):
-    out = _export(edge_dir, tmp_path / "kv", start_layer=1)
+    out = make_export(edge_dir, tmp_path / "kv", start_layer=1)
     blob = bytearray((out / "layer_02.safetensors").read_bytes())
     blob[len(blob) // 2] ^= 0xFF
     (out / "layer_02.safetensors").write_bytes(bytes(blob))
@@ -161,7 +134,7 @@ def test_corrupt_layer_mid_stream_falls_back_and_still_answers(edge, edge_dir, t
 
 
 def test_export_for_another_model_is_refused_at_start(edge, export, tmp_path):
-    other = _save(tiny_qwen2(3, 32, 4, 2, seed=8), byte_tokenizer(), tmp_path / "other")
+    other = save_model(tiny_qwen2(3, 32, 4, 2, seed=8), byte_tokenizer(), tmp_path / "other")
     with pytest.raises(KVStoreError, match="another edge model"):
         EdgeSession(load_model(other, "float32"), str(export), cache_dir=tmp_path)
     result = runner.invoke(app, ["serve-edge", "--edge", other, "--kv", str(export), "--dtype", "float32",
@@ -171,7 +144,7 @@ def test_export_for_another_model_is_refused_at_start(edge, export, tmp_path):
 
 
 def test_sinks_and_tar_exports(edge, edge_dir, tmp_path):
-    out = _export(edge_dir, tmp_path / "kv.tar", start_layer=1, tar=True)
+    out = make_export(edge_dir, tmp_path / "kv.tar", start_layer=1, tar=True)
     session = EdgeSession(edge, str(out), cache_dir=tmp_path, local_sink_tokens=3)
     session.wait_loaded()
     own = prefix_kv(edge.model, session.system.system_ids)
@@ -381,8 +354,8 @@ def test_cli_batch_bad_input(edge_dir, export, tmp_path):
 
 
 def test_peer_shallow_layers_replace_the_local_prefill(edge, edge_dir, tmp_path, caplog):
-    deep = _export(edge_dir, tmp_path / "deep", start_layer=2)
-    peer = _export(edge_dir, tmp_path / "peer", start_layer=0)  # a nearby edge's own export, every layer
+    deep = make_export(edge_dir, tmp_path / "deep", start_layer=2)
+    peer = make_export(edge_dir, tmp_path / "peer", start_layer=0)  # a nearby edge's own export, every layer
     alone = EdgeSession(edge, str(deep), cache_dir=tmp_path / "c")
     shared = EdgeSession(edge, str(deep), cache_dir=tmp_path / "c", peer_kv=str(peer))
     assert shared.describe()["shallow_source"] == "peer" and alone.describe()["shallow_source"] == "local"
@@ -390,7 +363,7 @@ def test_peer_shallow_layers_replace_the_local_prefill(edge, edge_dir, tmp_path,
     for user in USERS:
         a, b = alone.complete(user, params), shared.complete(user, params)
         assert a.token_ids == b.token_ids and (a.first_logits - b.first_logits).abs().max() < 1e-5
-    other = _export(edge_dir, tmp_path / "other", start_layer=0, system="System: another prompt entirely. ")
+    other = make_export(edge_dir, tmp_path / "other", start_layer=0, system="System: another prompt entirely. ")
     with caplog.at_level(logging.WARNING, logger="edgekv"):
         fallback = EdgeSession(edge, str(deep), cache_dir=tmp_path / "c", peer_kv=str(other))
     assert fallback.describe()["shallow_source"] == "local" and "another system prompt" in caplog.text

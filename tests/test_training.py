@@ -7,13 +7,13 @@ from edgekv.kv.translators import HiddenTranslator, TrainedTranslator
 from edgekv.models.capture import capture
 from edgekv.models.loading import load_model
 from edgekv.texts import HeldOutText
-from tests.conftest import _save, byte_tokenizer, tiny_qwen2
+from tests.conftest import byte_tokenizer, save_model, tiny_qwen2
 
 
 def _setup(tmp_path, calib_file):
     # initializer_range 0.2: at the usual 0.02 a random tiny model's outputs barely depend on its deep KV
-    cloud_dir = _save(tiny_qwen2(4, 64, 4, 2, seed=1, init=0.2), byte_tokenizer(), tmp_path / "cloud")
-    edge_dir = _save(tiny_qwen2(3, 32, 4, 2, seed=2, init=0.2), byte_tokenizer(), tmp_path / "edge")
+    cloud_dir = save_model(tiny_qwen2(4, 64, 4, 2, seed=1, init=0.2), byte_tokenizer(), tmp_path / "cloud")
+    edge_dir = save_model(tiny_qwen2(3, 32, 4, 2, seed=2, init=0.2), byte_tokenizer(), tmp_path / "edge")
     cloud, edge = load_model(cloud_dir, "float32"), load_model(edge_dir, "float32")
     texts = calib_file.read_text().splitlines()
     seqs = [torch.tensor(edge.tokenizer(t)["input_ids"][:70]) for t in texts]

@@ -15,7 +15,7 @@ from edgekv.kv.registry import TRANSLATORS, load_translator, save_translator
 from edgekv.kv.translators import TrainedTranslator
 from edgekv.models.capture import capture
 from edgekv.models.loading import load_model
-from tests.test_compress_export import PROMPT
+from tests.conftest import PROMPT
 
 runner = CliRunner()
 
