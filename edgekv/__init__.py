@@ -3,20 +3,23 @@
 The package follows the data flow, one folder per stage, lowest first:
 
     text ─▶ models ─▶ attention ─▶ align ─▶ kv ─▶ serve ─▶ eval
-    (texts.py and the shared helpers: atomic, config, progress, plots, this file's EdgeKVError)
+    (texts.py and the shared helpers: atomic, config, progress, plots, summary, this file's EdgeKVError)
 
 - `models/`    loading any model, tokenizer checks, model structure (heads, rotary), per-layer capture
-- `attention/` spliced caches, the shared-prefix cache layer, the exact log-sum-exp segment merge
+- `attention/` a prefix's KV as a read-only Cache and request caches over it, relay and fused attention, the
+               exact log-sum-exp segment merge
 - `align/`     similarity measures (CKA, RSA), layer-mapping strategies, the `edgekv align` job
-- `kv/`        ThinK pruning, codecs, cross-model translators and their training, the export format, the
-               decoding of an exported layer, the `edgekv compress` job
-- `serve/`     the edge session, pipelined layer loading and the link model, HTTP, batch mode, `serve-edge`
-- `eval/`      datasets, metrics, the fidelity harness, load runs, reports, the `edgekv eval` job
+- `kv/`        ThinK pruning, codecs, cross-model translators and fusers (one registry), the one training
+               loop, the export format, the decoding of an exported layer, `edgekv compress` / `train-fuser`
+- `serve/`     the system KV and its sources, pipelined layer loading and the link model, the one decode loop
+               (engine), the OpenAI-style HTTP server, batch mode, `serve-edge`
+- `eval/`      datasets, metrics, strategies (one class each), the fidelity harness, load runs, reports, the
+               network model and planner, the `edgekv eval` / `plan` jobs
 
 Import direction: a module may import the shared helpers, its own stage and any stage to its left, never one
 to its right (`kv/` knows nothing of `serve/` or `eval/`; `align/` and `kv/` never import `eval/`).
-`tests/test_layout.py` checks it. `edgekv.similarity` and `edgekv.pruning` are re-exports kept for callers
-outside the project; code inside it imports the stage modules.
+`tests/test_layout.py` checks it, and that no modules import each other in a circle. `edgekv.similarity` and
+`edgekv.pruning` are re-exports kept for callers outside the project; code inside it imports the stage modules.
 """
 
 __version__ = "0.1.0"

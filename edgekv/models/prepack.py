@@ -1,9 +1,8 @@
 """Prepacked linear layers for CPU inference: oneDNN's weight layout made once at load, not once per call.
 
 A bf16 `nn.Linear` on CPU already runs oneDNN's matmul, which reorders the weight into its blocked layout on
-every call. At the splice's 64-row GEMMs that reorder is a visible share of the work (default edge, this 2-core
-CPU, `python -m bench.prepack`: a 64-token forward on a 1,024-token cache 1.16× faster packed, a 1,088-token
-prefill 1.08×, logits identical). `PackedLinear` holds the reordered weight and
+every call. At the splice's 64-row GEMMs that reorder is a visible share of the work (`python -m bench.prepack`;
+figures in reports/README). `PackedLinear` holds the reordered weight and
 calls the same kernel (`torch.ops.mkldnn._linear_pointwise`), so outputs are bit-identical (tested) and only
 the per-call reorder goes away. This is the weight prepacking torch.compile's CPU freezing does, without a
 compile. Inference only: the packed weight has no gradient and `weight` is gone, so code that reads or trains
@@ -89,8 +88,7 @@ def prepack_linears(model: torch.nn.Module, rows_hint: int = 64, head: bool = Tr
     (in place); returns how many.
 
     The head computes one row per step (a splice's first token, every decode step), where the per-call reorder
-    of its whole weight costs most: the default edge's 151,936 × 896 head, one row, 20 → 10 ms on this
-    project's CPU (bit-identical). A tied head keeps the embedding as it was (the lookups read it); its pages,
+    of its whole weight costs most (the default edge's 151,936 × 896 head; bit-identical). A tied head keeps the embedding as it was (the lookups read it); its pages,
     mapped from the weights file, are paged out, so RSS holds the packed copy in their place.
     A no-op (0) where `can_prepack` says no. Idempotent: packed layers are not packed again."""
     if not can_prepack(model):

@@ -1,6 +1,9 @@
-"""Serve: the edge answering user prompts over a system prompt's KV. The session and decoding
-(`session.py`), layer-by-layer loading with the link emulator and TTFT model (`pipeline.py`), the HTTP server
-(`http_server.py`), JSONL batch mode (`batch.py`) and the `serve-edge` config (`serve_job.py`).
+"""Serve: the edge answering user prompts over a system prompt's KV. Where each layer of that KV comes from
+(`system_kv.py`: export, fallbacks, peer, sinks, fusion), layer-by-layer loading with the link emulator and TTFT
+model (`pipeline.py`), a session = an edge model + its system KV (`session.py`), the one decode loop
+(`engine.py`: scheduler, relay-batched forward, sampling, detokenizing), the OpenAI-compatible HTTP app
+(`openai_api.py`) and its server (`http_server.py`), the LRU pool of exports a server holds (`pool.py`), JSONL
+batch mode (`batch.py`) and the `serve-edge` config (`serve_job.py`).
 
 May import: the shared helpers, `models/`, `attention/`, `align/`, `kv/`. Never `eval/`.
 """

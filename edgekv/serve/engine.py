@@ -44,7 +44,7 @@ ONEDNN_CACHE = 16  # oneDNN primitives kept for reuse (its default, 1,024, grows
 def limit_onednn_cache(capacity: int = ONEDNN_CACHE) -> None:
     """Bound oneDNN's primitive cache for a long-running server: each step's packed token count is a new GEMM
     shape, and the default cache keeps 1,024 of them (with their scratch), which a soak sees as RSS creeping up
-    (+10 % in 5 minutes against +2 % with 8 entries). oneDNN reads the variable when it creates its first
+    (measured: reports/README). oneDNN reads the variable when it creates its first
     primitive, so call this before the process's first matmul; a value the user set is kept."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))
 
@@ -203,9 +203,9 @@ class Engine:
         """`background=False`: no thread of its own; `generate`/`generate_all` run the steps on the caller's
         thread. On a machine with as many cores as torch threads, every thread that has run a forward keeps an
         OpenMP pool, and two live pools make libgomp throttle its spin-waits to ~100 spins: each of the hundreds
-        of parallel regions of a forward then pays a futex wake-up (the default edge's 64-token splice: 216 →
-        262 ms on this project's 2-core CPU). A process that computes on one thread anyway (a batch file, a
-        bench) drives the engine inline and keeps one pool."""
+        of parallel regions of a forward then pays a futex wake-up (measured: `bench.omp_pools`, reports/README).
+        A process that computes on one thread anyway (a batch file, a bench) drives the engine inline and keeps
+        one pool."""
         if max_batch < 1 or max_queue < 1 or max_step_tokens < 1:
             raise EdgeKVError("max_batch, max_queue and max_step_tokens must be ≥ 1")
         self.session, self.max_batch, self.max_queue = session, max_batch, max_queue

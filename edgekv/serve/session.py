@@ -1,9 +1,7 @@
-"""Decoding on spliced caches (DESIGN.md §1, §5): one edge session serves many user prompts over one system prompt.
-
-The system prompt's KV is held once per session: layers < m computed by the edge itself, layers ≥ m from the
-KV export (pipelined, see pipeline.py). Each request gets its own `DynamicCache` whose layers are
-`SharedPrefixLayer`s: they reference the shared system KV read-only and store only the request's own tokens,
-so concurrent requests never copy the system prompt's cache. Positions continue after the system prompt.
+"""A session (DESIGN.md §1, §5): one edge model and one system prompt's KV (`SystemKV`), shared by every user
+prompt it answers. Answers come from the one decode loop (`engine.py`, inline for a caller that wants one
+answer); NLL scoring is `continuation_nll` over a request cache of the system KV. Positions continue after the
+system prompt.
 """
 
 from __future__ import annotations
