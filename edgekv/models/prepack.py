@@ -87,9 +87,10 @@ def prepack_linears(model: torch.nn.Module, rows_hint: int = 64, head: bool = Tr
     """Replace every `nn.Linear` inside the decoder layers (and, with `head`, the LM head) by a `PackedLinear`
     (in place); returns how many.
 
-    The head computes one row per step (a splice's first token, every decode step), where the per-call reorder
-    of its whole weight costs most (the default edge's 151,936 × 896 head; bit-identical). A tied head keeps the embedding as it was (the lookups read it); its pages,
-    mapped from the weights file, are paged out, so RSS holds the packed copy in their place.
+    The head computes one row per step (a splice's first token, every decode step), where the per-call reorder of
+    its whole weight costs most (the default edge's 151,936 × 896 head; bit-identical). A tied head keeps the
+    embedding as it was (the lookups read it); its pages, mapped from the weights file, are paged out, so RSS holds
+    the packed copy in their place.
     A no-op (0) where `can_prepack` says no. Idempotent: packed layers are not packed again."""
     if not can_prepack(model):
         return 0
