@@ -9,6 +9,7 @@ from transformers.utils import logging as hf_logging
 
 from cli.align import align
 from cli.compress import compress
+from cli.distill import distill
 from cli.eval import eval_, report
 from cli.plan import plan
 from cli.serve_edge import serve_edge
@@ -28,6 +29,7 @@ app.command("eval")(eval_)
 app.command("report")(report)
 app.command("plan")(plan)
 app.command("train-fuser")(train_fuser)
+app.command("distill")(distill)
 hf_logging.disable_progress_bar()  # our own rich bars report progress; HF's tqdm lines would interleave
 _handler = logging.StreamHandler()  # stderr: one-time notices such as the first conversion of a default model
 _handler.setFormatter(logging.Formatter("edgekv: %(message)s"))

@@ -12,7 +12,7 @@ import yaml
 from edgekv import EdgeKVError
 
 T = TypeVar("T")
-COMMAND_SECTIONS = ("align", "compress", "serve_edge", "eval", "train_fuser", "plan")
+COMMAND_SECTIONS = ("align", "compress", "serve_edge", "eval", "train_fuser", "plan", "distill")
 CONFIG_CLASSES: dict[str, type] = {}
 
 

@@ -124,14 +124,17 @@ class PrefixLayer(CacheLayerMixin):
 
 class PrefixKV(Cache):
     """Every layer's KV of a prefix of `prefix_len` tokens (given as tensors, possibly trainable) and the gated
-    cloud segments (layer → `CloudSegment`) that attend beside it."""
+    cloud segments (layer → `CloudSegment`) that attend beside it. A request's positions start at
+    `next_position` (default `prefix_len`; larger when the prefix keeps a subset of a longer prompt's tokens at
+    their original positions: rotary attention only sees the gap as distance)."""
 
     def __init__(self, layers: list[KVPair] | None, prefix_len: int, segments: dict | None = None,
-                 num_layers: int | None = None):
+                 num_layers: int | None = None, next_position: int | None = None):
         """`layers` None: a subclass resolves `layer(i)` itself (then `num_layers` says how many there are)."""
         self._layers = list(layers) if layers is not None else None
         self.num_layers = len(self._layers) if layers is not None else int(num_layers)
         self.prefix_len, self._segments = int(prefix_len), dict(segments or {})
+        self.next_position = int(prefix_len if next_position is None else next_position)
         if layers is not None and any(k.shape[-2] != self.prefix_len for k, _ in self._layers):
             raise ValueError(f"every layer must hold {self.prefix_len} prefix tokens")
         super().__init__(layers=[PrefixLayer(self, i) for i in range(self.num_layers)])
@@ -178,13 +181,13 @@ class PrefixKV(Cache):
                     nv = torch.cat([v[:, :, :keep_first], nv[:, :, keep_first:]], dim=2)
                 k, v = nk, nv
             out.append((k, v))
-        return PrefixKV(out, self.prefix_len, self.segments)
+        return PrefixKV(out, self.prefix_len, self.segments, next_position=self.next_position)
 
 
 def continuation_logits(model: torch.nn.Module, prefix: PrefixKV, ids: torch.Tensor) -> torch.Tensor:
-    """The model's logits (T, vocab) at each of `ids` read after `prefix` (positions continue after it);
+    """The model's logits (T, vocab) at each of `ids` read after `prefix` (positions from its `next_position`);
     differentiable in the prefix's tensors (callers choose no_grad)."""
-    positions = torch.arange(prefix.prefix_len, prefix.prefix_len + ids.numel())[None]
+    positions = torch.arange(prefix.next_position, prefix.next_position + ids.numel())[None]
     return model(input_ids=ids[None], past_key_values=prefix.request_cache(), position_ids=positions,
                  use_cache=True, **prefix.attention_kwargs()).logits[0]
 

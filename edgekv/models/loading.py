@@ -272,3 +272,14 @@ def check_tokenizers(a: object, b: object, probe: str = PROBE_TEXT) -> None:
     ids_a, ids_b = a.encode(probe), b.encode(probe)
     if ids_a != ids_b:
         raise EdgeKVError("incompatible tokenizers: the same probe text encodes to different ids")
+
+
+def eos_ids(edge: LoadedModel) -> set[int]:
+    """Every id that ends an answer: the generation config's, the model config's and the tokenizer's."""
+    ids = set()
+    for source in (edge.model.generation_config, edge.model.config):
+        eos = getattr(source, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    if edge.tokenizer.eos_token_id is not None:
+        ids.add(edge.tokenizer.eos_token_id)
+    return ids

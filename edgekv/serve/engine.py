@@ -340,7 +340,7 @@ class Engine:
             if seq.finish is None:
                 seq.own = [self._empty] * (2 * self.system.num_layers)
                 seq.pending = seq.req.user_ids
-                seq.position = self.system.prefix_len
+                seq.position = self.system.next_position
                 self.running.append(seq)
         self.running = [s for s in self.running if s.finish is None]
         work: list[tuple[Sequence, torch.Tensor]] = [(s, torch.tensor([s.next_input])) for s in self.running

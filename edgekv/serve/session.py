@@ -13,7 +13,7 @@ import torch
 
 from edgekv import EdgeKVError
 from edgekv.attention.prefix_kv import continuation_nll
-from edgekv.models.loading import LoadedModel
+from edgekv.models.loading import LoadedModel, eos_ids
 from edgekv.serve.engine import Engine, GenRequest, Result, SamplingParams
 from edgekv.serve.pipeline import Link
 from edgekv.serve.system_kv import SystemKV
@@ -67,7 +67,7 @@ class EdgeSession:
 
     def check_fits(self, user_tokens: int, max_new_tokens: int) -> None:
         """One-line error when system + user prompt + max_tokens exceed the model's context."""
-        total = self.prefix_len + user_tokens + max_new_tokens
+        total = self.system.next_position + user_tokens + max_new_tokens
         if total > self.max_context:
             raise EdgeKVError(f"system + user prompt + max_tokens = {total} tokens exceeds the model's context of "
                               f"{self.max_context}")
@@ -89,14 +89,3 @@ class EdgeSession:
     def continuation_nll(self, user: torch.Tensor, continuation: torch.Tensor) -> float:
         """Mean NLL (nats/token) of `continuation` after the user prompt, on this session's system KV."""
         return float(continuation_nll(self.model, self.system, user, continuation))
-
-
-def eos_ids(edge: LoadedModel) -> set[int]:
-    """Every id that ends an answer: the generation config's, the model config's and the tokenizer's."""
-    ids = set()
-    for source in (edge.model.generation_config, edge.model.config):
-        eos = getattr(source, "eos_token_id", None)
-        ids.update(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
-    if edge.tokenizer.eos_token_id is not None:
-        ids.add(edge.tokenizer.eos_token_id)
-    return ids

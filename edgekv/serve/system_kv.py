@@ -73,7 +73,11 @@ class SystemKV(PrefixKV):
             # an empty system prompt is a session without reuse: every request prefills its whole prompt
             ids = edge.tokenizer(system_prompt, add_special_tokens=True)["input_ids"] if system_prompt else []
             self.system_ids = torch.tensor(ids, dtype=torch.long)
-        self.prefix_len = int(self.system_ids.numel())
+        # a distilled export holds KV of kv_tokens ≠ the prompt's tokens; requests continue at next_position
+        manifest = self.export.manifest if self.export is not None else {}
+        self.prefix_len = int(manifest.get("kv_tokens", self.system_ids.numel()))
+        self.next_position = int(manifest.get("next_position", self.prefix_len))
+        self.distilled = "distilled" in manifest
         self.splice = self.export.manifest.get("splice", "replace") if self.export is not None else "replace"
         if self.splice == "fuse":
             self._build_fused()
@@ -120,6 +124,8 @@ class SystemKV(PrefixKV):
                 own = prefix_kv(self.model, self.system_ids[: self.sink_tokens])
                 sink_kv = {i: own[i] for i in self.export.layer_indices}
             fallbacks = [Fallback("local-copy", self._from_copy), Fallback("local-prefill", self._from_own)]
+            if self.distilled:  # the edge's own prefill is the whole prompt, not the distilled tokens
+                fallbacks = fallbacks[:1]
             if self.source == "local-copy":
                 fallbacks = fallbacks[1:]
             self.loader = LayerLoader(self.export, self.model, self.dtype, self.link, fallbacks, sink_kv,

@@ -1,0 +1,180 @@
+"""Cloud-distilled system-prompt KV (issue: the cloud teaches the edge's KV; Cartridges, Eyuboglu et al. 2025).
+
+The cloud may read the public system prompt as long as it likes; the user's prompt never reaches it. Offline,
+per system prompt: (a) a teacher — the cloud, or the edge itself (`self`, Cartridges' self-study) — answers fixed
+generic seed instructions about the prompt (a synthetic set, sampled); (b) the teacher's next-token distribution
+on every synthetic answer, reading the *whole* prompt, is kept as top-k log-probs (the exact top-k + tail KL of
+`fuser_training.topk_kl`); (c) a *student* — an edge-shaped prefix KV of P' tokens, initialised from the edge's
+own prefill (of the whole prompt when P' = P, else of P' tokens chosen by `select_tokens`) — learns by that KL
+with every model weight frozen, early-stopped on a held-out part of the synthetic set; (d) the student ships as an
+ordinary EdgePrompt-format export (`distill_job.py`). At step 0 with P' = P the student *is* the edge's own
+prefill: EdgePrompt exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from edgekv import EdgeKVError
+from edgekv.attention.prefix_kv import PrefixKV, continuation_logits, prefix_kv
+from edgekv.kv.fuser_training import topk_kl
+from edgekv.models.loading import LoadedModel, eos_ids
+
+RULES = ("first", "even", "all")
+
+
+@dataclass
+class Sample:
+    """One synthetic exchange about the prompt: the instruction's ids (continuing the system prompt), the
+    teacher's sampled answer, and the teacher's top-k log-probs predicting answer tokens 0..A−1."""
+
+    instruction: int  # index into the instruction list
+    user: torch.Tensor
+    answer: torch.Tensor
+    top_ids: torch.Tensor | None = None  # (A, k)
+    top_logp: torch.Tensor | None = None  # (A, k)
+
+
+def select_tokens(n: int, keep: int, rule: str) -> tuple[torch.Tensor, int]:
+    """(indices of the P' prompt tokens the student starts from, the position a request continues at).
+    `first`: the first P' tokens, read as a prompt of their own (requests continue at P'); `even`: P' tokens
+    evenly spaced over the prompt, the first and the last included, keeping their KV and positions from the
+    full prefill (requests continue at P); `all`: every token (P' = P)."""
+    if rule not in RULES:
+        raise EdgeKVError(f"unknown token rule '{rule}' (choose from {', '.join(RULES)})")
+    if not 1 <= keep <= n:
+        raise EdgeKVError(f"--length must be in [1, {n}] (the system prompt's tokens), got {keep}")
+    if rule == "all" or keep == n:
+        return torch.arange(n), n
+    if rule == "first":
+        return torch.arange(keep), keep
+    return torch.linspace(0, n - 1, keep).round().long().unique(), n
+
+
+@torch.no_grad()
+def synthesize(teacher: LoadedModel, system_ids: torch.Tensor, instructions: list[str], samples: int,
+               max_tokens: int, temperature: float, seed: int, on_sample=None) -> list[Sample]:
+    """`samples` sampled answers of the teacher (reading the whole prompt, whose KV is computed once) to each
+    instruction, seeded per (instruction, sample): the set does not depend on how many come after. Sampling is
+    transformers' `generate` (plain temperature sampling, no top-k/top-p), not a loop of ours."""
+    tok, ends = teacher.tokenizer, eos_ids(teacher)
+    prompt = DynamicCache()
+    teacher.model(input_ids=system_ids[None], past_key_values=prompt, use_cache=True, logits_to_keep=1)
+    out = []
+    for k, text in enumerate(instructions):
+        user = torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+        if not user.numel():
+            raise EdgeKVError(f"seed instruction {k} encodes to no tokens")
+        full = torch.cat([system_ids, user])[None]
+        for s in range(samples):
+            torch.manual_seed(seed * 1_000_003 + k * 1_009 + s)  # generate samples from the global generator
+            got = teacher.model.generate(full, attention_mask=torch.ones_like(full),
+                                         past_key_values=copy.deepcopy(prompt), max_new_tokens=max_tokens,
+                                         do_sample=temperature > 0, temperature=temperature or None, top_k=0,
+                                         top_p=1.0, pad_token_id=tok.eos_token_id)[0, full.shape[1]:]
+            eos = torch.isin(got, torch.tensor(sorted(ends))).nonzero()
+            answer = got[: int(eos[0])] if eos.numel() else got
+            if answer.numel():
+                out.append(Sample(k, user, answer.clone()))
+            if on_sample:
+                on_sample()
+    return out
+
+
+@torch.no_grad()
+def teacher_targets(teacher: LoadedModel, system_ids: torch.Tensor, samples: list[Sample], top_k: int) -> None:
+    """Fill each sample's top-k log-probs of the teacher reading the whole prompt, the instruction and the answer
+    so far (predicting answer tokens 0..A−1)."""
+    prefix = PrefixKV(prefix_kv(teacher.model, system_ids), system_ids.numel())
+    for s in samples:
+        logits = continuation_logits(teacher.model, prefix, torch.cat([s.user, s.answer[:-1]]))[s.user.numel() - 1:]
+        s.top_logp, s.top_ids = torch.log_softmax(logits.float(), -1).topk(top_k, dim=-1)
+
+
+class Student:
+    """The trainable prefix KV: per layer, keys and values initialised at the edge's own KV of the chosen tokens,
+    trained outright (`full`) or as a low-rank delta per KV head (`lowrank`: K₀ + U·V with U zero at the start,
+    so step 0 is the initial KV exactly). Tensors are float32; the prefix is cast to the model's dtype."""
+
+    def __init__(self, init: list[tuple[torch.Tensor, torch.Tensor]], next_position: int, param: str = "full",
+                 rank: int = 8, seed: int = 0, dtype: torch.dtype | None = None):
+        if param not in ("full", "lowrank"):
+            raise EdgeKVError(f"--param must be 'full' or 'lowrank', got '{param}'")
+        self.param, self.next_position = param, next_position
+        self.dtype = dtype or init[0][0].dtype
+        self.base = [(k.detach().float().clone(), v.detach().float().clone()) for k, v in init]
+        g = torch.Generator().manual_seed(seed)
+        self.tensors: dict[str, torch.Tensor] = {}
+        for i, (k, _) in enumerate(self.base):
+            _, h, p, d = k.shape
+            for kv in "kv":
+                if param == "full":
+                    self.tensors[f"{i}.{kv}"] = self.base[i]["kv".index(kv)].clone()
+                else:
+                    self.tensors[f"{i}.{kv}.u"] = torch.zeros(h, p, rank)
+                    self.tensors[f"{i}.{kv}.v"] = torch.randn(h, rank, d, generator=g) / d ** 0.5
+
+    @property
+    def tokens(self) -> int:
+        """P': tokens of the student prefix."""
+        return self.base[0][0].shape[2]
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The trained tensors, in a fixed order."""
+        return [self.tensors[n] for n in sorted(self.tensors)]
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's (1, kv_heads, P', d) keys and values (float32, differentiable)."""
+        if self.param == "full":
+            return self.tensors[f"{i}.k"], self.tensors[f"{i}.v"]
+        k0, v0 = self.base[i]
+        return (k0 + (self.tensors[f"{i}.k.u"] @ self.tensors[f"{i}.k.v"])[None],
+                v0 + (self.tensors[f"{i}.v.u"] @ self.tensors[f"{i}.v.v"])[None])
+
+    def prefix(self) -> PrefixKV:
+        """The student as a prefix the edge reads (in the model's dtype)."""
+        return PrefixKV([tuple(t.to(self.dtype) for t in self.layer(i)) for i in range(len(self.base))], self.tokens,
+                        next_position=self.next_position)
+
+    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's (kv_heads, P', d) keys and values as trained, detached (what an export ships)."""
+        with torch.no_grad():
+            return [tuple(t[0].detach().clone() for t in self.layer(i)) for i in range(len(self.base))]
+
+
+def initial_student(edge: LoadedModel, system_ids: torch.Tensor, keep: int, rule: str, param: str = "full",
+                    rank: int = 8, seed: int = 0) -> tuple[Student, torch.Tensor]:
+    """The student at step 0 and the prompt token indices it holds: the edge's own prefill of the whole prompt,
+    kept at the chosen tokens (`even`, `all`), or the edge's prefill of the first P' tokens alone (`first`)."""
+    index, next_position = select_tokens(system_ids.numel(), keep, rule)
+    if rule == "first" and index.numel() < system_ids.numel():
+        init = prefix_kv(edge.model, system_ids[index])
+    else:
+        full = prefix_kv(edge.model, system_ids)
+        init = [(k[:, :, index], v[:, :, index]) for k, v in full]
+    return Student(init, next_position, param, rank, seed, dtype=init[0][0].dtype), index
+
+
+def sample_loss(edge: LoadedModel, prefix: PrefixKV, s: Sample) -> torch.Tensor:
+    """KL(teacher ‖ edge-on-student) over the teacher's top-k and the tail, mean over the answer's tokens."""
+    logits = continuation_logits(edge.model, prefix, torch.cat([s.user, s.answer[:-1]]))[s.user.numel() - 1:]
+    return topk_kl(logits, s.top_ids, s.top_logp)
+
+
+@torch.no_grad()
+def held_out_kl(edge: LoadedModel, student: Student, samples: list[Sample]) -> float:
+    """Mean KL to the teacher over held-out samples."""
+    prefix = student.prefix()
+    return float(sum(float(sample_loss(edge, prefix, s)) for s in samples) / max(1, len(samples)))
+
+
+def split_samples(samples: list[Sample], held_out: float, seed: int) -> tuple[list[Sample], list[Sample]]:
+    """(train, held-out) by a seeded shuffle; at least one of each when there are two or more samples."""
+    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
+    n_held = min(max(1, round(held_out * len(samples))), len(samples) - 1) if len(samples) > 1 else 0
+    held = sorted(order[:n_held])
+    return [samples[i] for i in sorted(order[n_held:])], [samples[i] for i in held]

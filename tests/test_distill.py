@@ -1,0 +1,160 @@
+"""`edgekv distill` on tiny models: the student starts as EdgePrompt exactly, learns, resumes bit-exactly, ships as
+an ordinary export refused for another edge, and the self-teacher path never loads the cloud."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from cli.main import app
+from edgekv import EdgeKVError
+from edgekv.attention.prefix_kv import PrefixKV, continuation_nll, prefix_kv
+from edgekv.kv import distill_job
+from edgekv.kv.distill import initial_student, select_tokens
+from edgekv.kv.distill_job import DistillConfig, run_distill
+from edgekv.kv.export import KVExport, KVStoreError
+from edgekv.models.loading import load_model
+from edgekv.serve.engine import SamplingParams
+from edgekv.serve.session import EdgeSession
+from tests.conftest import PROMPT, make_export
+
+runner = CliRunner()
+INSTRUCTIONS = ["\nSay what the text above is about.\nAnswer:", "\nContinue the text above.\n"]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_models):
+    return load_model(tiny_models["cloud"], "float32"), load_model(tiny_models["edge"], "float32")
+
+
+def _cfg(tmp_path, **kw) -> DistillConfig:
+    base = dict(out=str(tmp_path / "d"), system_prompt=PROMPT, dtype="float32", instructions=INSTRUCTIONS,
+                samples=2, max_answer_tokens=12, steps=12, lr=0.05, eval_every=2, patience=50, quant="fp32")
+    return DistillConfig(**{**base, **kw})
+
+
+def test_select_tokens_rules():
+    assert select_tokens(10, 10, "first")[0].tolist() == list(range(10))
+    assert select_tokens(10, 3, "first") [1] == 3
+    idx, nxt = select_tokens(10, 4, "even")
+    assert idx.tolist() == [0, 3, 6, 9] and nxt == 10
+    with pytest.raises(EdgeKVError, match="--length"):
+        select_tokens(10, 11, "first")
+
+
+def test_step_zero_is_edgeprompt_exactly(pair, tiny_models, tmp_path):
+    cloud, edge = pair
+    ids = torch.tensor(edge.tokenizer(PROMPT)["input_ids"])
+    student, index = initial_student(edge, ids, ids.numel(), "all")
+    own = prefix_kv(edge.model, ids)
+    for i, (k, v) in enumerate(own):
+        got_k, got_v = student.prefix().layer(i)
+        assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    # the 0-step export answers as EdgePrompt's own export does, token for token
+    run_distill(_cfg(tmp_path, steps=0), models=(cloud, edge))
+    ref = make_export(tiny_models["edge"], tmp_path / "ep", start_layer=0, system=PROMPT)
+    params = SamplingParams(max_new_tokens=12)
+    distilled = EdgeSession(edge, str(tmp_path / "d" / "prompt" / "kv"), cache_dir=tmp_path / "c")
+    got = distilled.complete("User: hi", params)
+    want = EdgeSession(edge, str(ref), cache_dir=tmp_path / "c2").complete("User: hi", params)
+    assert got.token_ids == want.token_ids
+
+
+def test_training_lowers_held_out_kl_and_ships_a_shorter_export(pair, tmp_path):
+    cloud, edge = pair
+    summary = run_distill(_cfg(tmp_path, compress=4, steps=16), models=(cloud, edge))
+    report = summary["reports"]["prompt"]
+    d = report["distilled"]
+    assert d["held_out_kl"] < d["initial_held_out_kl"]  # the cloud's answers are better predicted
+    export = KVExport(report["out"])
+    n = export.manifest["system_prompt"]["num_tokens"]
+    assert export.manifest["kv_tokens"] == -(-n // 4) and export.manifest["distilled"]["teacher"] == "cloud"
+    assert (tmp_path / "d" / "prompt" / "loss_curve.png").stat().st_size > 0
+    # served: the session holds P' tokens and continues at P' (rule first)
+    session = EdgeSession(edge, report["out"], cache_dir=tmp_path / "c")
+    assert session.system.prefix_len == export.manifest["kv_tokens"] == session.system.next_position
+    assert session.complete("User: hi", SamplingParams(max_new_tokens=4)).finish_reason in ("length", "stop")
+
+
+def test_resume_is_bit_exact(pair, tmp_path):
+    cloud, edge = pair
+    straight = run_distill(_cfg(tmp_path / "a", steps=8), models=(cloud, edge))["reports"]["prompt"]
+    run_distill(_cfg(tmp_path / "b", steps=4), models=(cloud, edge))
+    (tmp_path / "b" / "d" / "prompt" / "report.json").unlink()  # not done: the next run goes on from step 4
+    again = run_distill(_cfg(tmp_path / "b", steps=8), models=(cloud, edge))["reports"]["prompt"]
+    assert again["distilled"]["held_out_kl"] == straight["distilled"]["held_out_kl"]
+    a = KVExport(straight["out"])
+    b = KVExport(again["out"])
+    for i in a.layer_indices:
+        for name, t in a.layer(i).items():
+            assert torch.equal(t, b.layer(i)[name])
+
+
+def test_export_is_refused_for_another_edge(pair, tiny_models, tmp_path):
+    cloud, edge = pair
+    report = run_distill(_cfg(tmp_path, steps=2), models=(cloud, edge))["reports"]["prompt"]
+    other = load_model(tiny_models["cloud"], "float32")
+    with pytest.raises(KVStoreError, match="another"):
+        EdgeSession(other, report["out"], cache_dir=tmp_path / "c")
+
+
+def test_self_teacher_never_loads_the_cloud(tiny_models, tmp_path, monkeypatch):
+    loaded = []
+    real = distill_job.load_model
+    monkeypatch.setattr(distill_job, "load_model", lambda spec, *a, **k: loaded.append(spec) or real(spec, *a, **k))
+    cfg = _cfg(tmp_path, teacher="self", compress=4, steps=2, edge=tiny_models["edge"], cloud=tiny_models["cloud"])
+    report = run_distill(cfg)["reports"]["prompt"]
+    assert loaded == [tiny_models["edge"]]
+    assert report["distilled"]["teacher"] == "self"
+
+
+def test_distilled_prefix_is_differentiable(pair):
+    _, edge = pair
+    ids = torch.tensor(edge.tokenizer(PROMPT)["input_ids"])
+    student, _ = initial_student(edge, ids, 8, "first")
+    for t in student.parameters():
+        t.requires_grad_(True)
+    nll = continuation_nll(edge.model, student.prefix(), ids[8:12], ids[12:20])
+    nll.backward()
+    assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in student.parameters())
+    assert isinstance(student.prefix(), PrefixKV)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--system-prompt", " "], "empty"),
+    (["--system-prompt", "short", "--length", "999"], "beyond"),
+    (["--system-prompt", "x" * 600], "context"),
+    (["--system-prompt", "hello", "--teacher", "oracle"], "--teacher"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(tiny_models, tmp_path, args, message):
+    out = tmp_path / "d"
+    result = runner.invoke(app, ["distill", *args, "--out", str(out), "--edge", tiny_models["edge"], "--cloud",
+                                 tiny_models["cloud"], "--dtype", "float32", "--steps", "1", "--samples", "1"])
+    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert len(errors) == 1 and message in errors[0]
+    assert not list(out.glob("*/kv/manifest.json"))
+
+
+def test_tokenizer_mismatch_is_refused(tiny_models, tmp_path):
+    result = runner.invoke(app, ["distill", "--system-prompt", "hello there", "--out", str(tmp_path / "d"),
+                                 "--edge", tiny_models["edge"], "--cloud", tiny_models["edge_other_tokenizer"],
+                                 "--dtype", "float32"])
+    assert result.exit_code != 0 and "Traceback" not in result.output and "tokenizer" in result.output.lower()
+
+
+def test_prompts_file_is_resumable_and_skips_failures(pair, tmp_path):
+    cloud, edge = pair
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"name": "a", "system_prompt": PROMPT}) + "\n"
+                    + json.dumps({"name": "b", "system_prompt": "x" * 600}) + "\n")
+    cfg = _cfg(tmp_path, system_prompt=None, prompts=str(path), steps=2)
+    summary = run_distill(cfg, models=(cloud, edge))
+    assert summary["done"] == 1 and "context" in summary["failed"]["b"]
+    assert not (tmp_path / "d" / "b" / "kv").exists()
+    mtime = (tmp_path / "d" / "a" / "kv" / "manifest.json").stat().st_mtime
+    run_distill(cfg, models=(cloud, edge))
+    assert (tmp_path / "d" / "a" / "kv" / "manifest.json").stat().st_mtime == mtime  # done prompts are skipped
