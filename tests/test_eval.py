@@ -364,3 +364,30 @@ def test_load_rows_are_reused_only_under_the_same_load_settings(tmp_path):
     assert load_curves(runner, [SimpleNamespace(system="s", user="u")], Steps(), rows) == rows
     cfg.load_seconds = 10
     assert reusable_load(tmp_path, cfg) == []
+
+
+def test_distilled_strategies_run_and_truncate_is_edgeprompt_of_the_head(tiny_models, data, align_dir, tmp_path):
+    distill = tmp_path / "distill.yaml"
+    distill.write_text("distill:\n  samples: 1\n  max_answer_tokens: 6\n  steps: 2\n  eval_every: 1\n  quant: fp32\n")
+    strategies = ["edgeprompt", "ce-lslm-distill", "ce-lslm-distill@c4", "edgeprompt-selfdistill@c4",
+                  "edgeprompt-truncate@c4", "ce-lslm-distill:nosum@c4"]
+    for bad in ("ce-lslm-distill@c0", "ce-lslm-distill@0.5/int8", "edgeprompt-truncate:nosum"):
+        with pytest.raises(EdgeKVError, match="unknown strategy"):
+            _cfg(tiny_models, data, align_dir, tmp_path / "x", strategies=[bad]).validate()
+    out = tmp_path / "run"
+    run_eval(_cfg(tiny_models, data, align_dir, out, strategies=strategies, datasets=["xsum"],
+                  distill_config=str(distill)))
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    by = {(r["strategy"], r["id"]): r for r in rows}
+    assert {r["strategy"] for r in rows} == set(strategies)
+    for r in rows:
+        if r["strategy"] != "edgeprompt":
+            assert r["cloud_s"] > 0 and r["bytes_cloud_to_edge"] > 0 and r["ref_nll"] is not None
+    for (s, i), r in by.items():
+        if s.endswith("@c4"):  # a quarter of the tokens: about a quarter of EdgePrompt's bytes
+            assert r["bytes_cloud_to_edge"] < 0.4 * by[("edgeprompt", i)]["bytes_cloud_to_edge"]
+    # the untrained head equals an edge that reads only the first P/4 tokens of the system prompt
+    exports = sorted((out / "work" / "exports" / "edgeprompt-truncate-c4").glob("*/prompt/kv/manifest.json"))
+    manifest = json.loads(exports[0].read_text())
+    assert manifest["kv_tokens"] == -(-manifest["system_prompt"]["num_tokens"] // 4) == manifest["next_position"]
+    assert manifest["distilled"]["steps"] == 0

@@ -37,8 +37,8 @@ from edgekv.eval.datasets import DATASETS, TRUNCATIONS, Request, load_requests
 from edgekv.eval.load_runs import poisson_run, summarize_load
 from edgekv.eval.metrics import BertScore, option_choice, rouge_l, upload_ratio
 from edgekv.eval.report import write_report
-from edgekv.eval.strategies import KVStrategy, parse_strategy
-from edgekv.kv.compress_job import _calibration, get_translator, resolve_pairs, run_compress
+from edgekv.eval.strategies import CompressStrategy, KVStrategy, parse_strategy
+from edgekv.kv.compress_job import CompressConfig, _calibration, get_translator, resolve_pairs, run_compress
 from edgekv.kv.registry import TRANSLATORS, save_translator
 from edgekv.models.loading import DTYPES, LoadedModel, check_tokenizers, load_model
 from edgekv.progress import Steps
@@ -88,6 +88,7 @@ class EvalConfig:
     quant: str = "int8"
     local_sink_tokens: int = 1
     fuser_path: str | None = None  # ce-lslm-fuse: a trained fuser (`edgekv train-fuser`)
+    distill_config: str | None = "configs/distill.yaml"  # the distilled strategies' `edgekv distill` settings
     bertscore: str = "minilm"
     load_rates: list[float] = field(default_factory=list)  # requests/s for Poisson load runs; [] skips them
     load_seconds: float = 20.0
@@ -229,19 +230,20 @@ class Runner:
             work.mkdir(parents=True, exist_ok=True)
             prompt_file = work / "system_prompt.txt"
             write_text_atomic(prompt_file, system)
-            cfg = st.compress_config(self, str(work / "kv"), f"@{prompt_file}")
-            # variants of one strategy that differ only in ratio/codec share the cloud-side KV of the prompt
-            family = (st.base, st.variant, key[1])
-            if self._layers_family != family:
-                self._layers_family, self._layers_cache = family, {}
-            start = time.perf_counter()
-            report = run_compress(cfg, models=(st.cloud_model(self), self.edge), layers_cache=self._layers_cache)
-            # a variant that reused the cached cloud KV still cost the cloud that computation once
-            cloud_s = time.perf_counter() - start + report["timings"].get("cached_cloud_kv_s", 0.0)
-            info = {"cloud_s": cloud_s, "bytes": report["bytes_written"], "cloud_input": system,
-                    "cloud_fp16_bytes": report["raw_fp16_cloud_bytes"]}
-            self.exports[key] = (work / "kv", info)
+            self.exports[key] = st.make_export(self, work, prompt_file)
+            self.exports[key][1]["cloud_input"] = system
         return self.exports[key]
+
+    def compress(self, st: CompressStrategy, cfg: CompressConfig, system_sha: str) -> dict:
+        """run_compress for a strategy's export; variants of one strategy that differ only in ratio/codec share
+        the cloud-side KV of the prompt (cloud_s still counts that computation once for each)."""
+        family = (st.base, st.variant, system_sha)
+        if self._layers_family != family:
+            self._layers_family, self._layers_cache = family, {}
+        start = time.perf_counter()
+        report = run_compress(cfg, models=(st.cloud_model(self), self.edge), layers_cache=self._layers_cache)
+        report["cloud_s"] = time.perf_counter() - start + report["timings"].get("cached_cloud_kv_s", 0.0)
+        return report
 
     # ------------------------------------------------------------------------------------------- one request
 

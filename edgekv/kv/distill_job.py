@@ -64,6 +64,7 @@ class DistillConfig:
     dtype: str = "bfloat16"
     system_prompt: str | None = None  # TEXT or @FILE (one prompt, folder `prompt`)
     prompts: str | None = None  # JSONL of {"name", "system_prompt"} (one folder per name)
+    synthetic_dir: str | None = None  # a root kept apart (<root>/<name>/synthetic.*): runs of one teacher share it
     teacher: str = "cloud"  # cloud | self (the edge reading the whole prompt: Cartridges' self-study)
     length: int | None = None  # P' tokens of the student (None: the whole prompt)
     compress: int | None = None  # P' = ceil(P / compress) (instead of length)
@@ -144,9 +145,11 @@ def _context(model: LoadedModel) -> int:
 
 
 def _synthetic(cfg: DistillConfig, teacher: LoadedModel, ids: torch.Tensor, work: Path,
-               steps: Steps) -> list[Sample]:
+               steps: Steps) -> tuple[list[Sample], dict]:
     """The synthetic set with its targets: read back when this teacher made it before, else made and kept."""
-    meta_path, tensor_path = work / "synthetic.json", work / "synthetic.safetensors"
+    where = Path(cfg.synthetic_dir) / work.name if cfg.synthetic_dir else work
+    where.mkdir(parents=True, exist_ok=True)
+    meta_path, tensor_path = where / "synthetic.json", where / "synthetic.safetensors"
     key = {"teacher": teacher.fingerprint, "instructions": cfg.instructions, "samples": cfg.samples,
            "max_answer_tokens": cfg.max_answer_tokens, "temperature": cfg.temperature, "top_k": cfg.top_k,
            "seed": cfg.seed, "prompt_sha256": token_ids_sha256(ids.tolist())}
@@ -155,7 +158,7 @@ def _synthetic(cfg: DistillConfig, teacher: LoadedModel, ids: torch.Tensor, work
         if meta["key"] == key:
             t = load_file(str(tensor_path))
             return [Sample(k, t[f"{n}.user"], t[f"{n}.answer"], t[f"{n}.top_ids"], t[f"{n}.top_logp"])
-                    for n, k in enumerate(meta["instruction"])]
+                    for n, k in enumerate(meta["instruction"])], meta
     start = time.perf_counter()
     samples = synthesize(teacher, ids, cfg.instructions, cfg.samples, cfg.max_answer_tokens, cfg.temperature,
                          cfg.seed, steps.task("teacher answers", len(cfg.instructions) * cfg.samples))
@@ -166,10 +169,10 @@ def _synthetic(cfg: DistillConfig, teacher: LoadedModel, ids: torch.Tensor, work
     tensors = {f"{n}.{name}": getattr(s, name).clone().contiguous() for n, s in enumerate(samples)
                for name in ("user", "answer", "top_ids", "top_logp")}
     write_tensors_atomic(tensor_path, tensors)
-    write_text_atomic(meta_path, json.dumps({"key": key, "instruction": [s.instruction for s in samples],
-                                             "generate_s": generate_s, "targets_s": time.perf_counter() - start
-                                             - generate_s}))
-    return samples
+    meta = {"key": key, "instruction": [s.instruction for s in samples], "generate_s": generate_s,
+            "targets_s": time.perf_counter() - start - generate_s}
+    write_text_atomic(meta_path, json.dumps(meta))
+    return samples, meta
 
 
 def distill_one(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, name: str, prompt: str,
@@ -191,8 +194,7 @@ def distill_one(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, nam
     if keep > ids.numel():
         raise EdgeKVError(f"{name}: --length {keep} is beyond the system prompt's {ids.numel()} tokens")
     work.mkdir(parents=True, exist_ok=True)
-    samples = _synthetic(cfg, teacher, ids, work, steps)
-    meta = json.loads((work / "synthetic.json").read_text(encoding="utf-8"))
+    samples, meta = _synthetic(cfg, teacher, ids, work, steps)
     train, held = split_samples(samples, cfg.held_out, cfg.seed)
     start = time.perf_counter()
     student, index = initial_student(edge, ids, keep, cfg.rule, cfg.param, cfg.rank, cfg.seed)
@@ -282,7 +284,8 @@ def _export(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, student
     written = sum(e["bytes"] for e in entries)
     full_fp16 = 2 * int(ids.numel()) * info["num_kv_heads"] * info["head_dim"] * 2 * info["num_layers"]
     return {"out": str(work / "kv"), "system_prompt_tokens": int(ids.numel()), "kv_tokens": student.tokens,
-            "bytes_written": written, "ratio_vs_full_fp16": full_fp16 / written, "distilled": distilled}
+            "bytes_written": written, "full_fp16_bytes": full_fp16, "ratio_vs_full_fp16": full_fp16 / written,
+            "distilled": distilled}
 
 
 def run_distill(cfg: DistillConfig, progress=None, models: tuple[LoadedModel, LoadedModel] | None = None) -> dict:

@@ -2,7 +2,14 @@
 grammar). Importing this package registers every kind; a new strategy is one class in one file here, plus its
 import below."""
 
-from edgekv.eval.strategies import local, splice  # noqa: F401  (registers: the order is the usage message's)
-from edgekv.eval.strategies.base import STRATEGIES, Answering, KVStrategy, Strategy, parse_strategy
+from edgekv.eval.strategies import distill, local, splice  # noqa: F401  (registers every kind)
+from edgekv.eval.strategies.base import (
+    STRATEGIES,
+    Answering,
+    CompressStrategy,
+    KVStrategy,
+    Strategy,
+    parse_strategy,
+)
 
-__all__ = ["STRATEGIES", "Answering", "KVStrategy", "Strategy", "parse_strategy"]
+__all__ = ["STRATEGIES", "Answering", "CompressStrategy", "KVStrategy", "Strategy", "parse_strategy"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from edgekv import EdgeKVError
@@ -56,11 +57,24 @@ class Strategy(ABC):
     variant: str = ""
     prune_ratio: float | None = None  # @RATIO/CODEC overrides (the quality-per-byte sweep)
     quant: str | None = None
+    factor: int | None = None  # @c<N>: a distilled student of ceil(P / N) tokens
 
     base: ClassVar[str] = "?"
     variants: ClassVar[tuple[str, ...]] = ()  # accepted `:variant`s
     knobs: ClassVar[bool] = False  # accepts an @RATIO/CODEC suffix
     ships_kv: ClassVar[bool] = False  # answers on a KV export made by the cloud side
+
+    @classmethod
+    def with_knobs(cls, name: str, variant: str, knobs: str) -> Strategy | None:
+        """The strategy with an `@…` suffix (None: this class takes no such suffix): `@RATIO/CODEC`."""
+        ratio, _, quant = knobs.partition("/")
+        try:
+            r = float(ratio)
+        except ValueError:
+            return None
+        if not cls.knobs or quant not in SCHEMES or not 0.0 <= r < 1.0:
+            return None
+        return cls(name, variant, r, quant)
 
     def validate(self, cfg) -> None:
         """One-line errors for settings this strategy needs (before any model loads)."""
@@ -80,20 +94,9 @@ class Strategy(ABC):
 
 
 class KVStrategy(Strategy):
-    """A strategy that answers on a KV export of the system prompt (made by `run_compress` on the cloud side)."""
+    """A strategy that answers on a KV export of the system prompt, made on the cloud side by `make_export`."""
 
     ships_kv: ClassVar[bool] = True
-
-    def compress_config(self, runner: Runner, out: str, system_prompt: str) -> CompressConfig:
-        """The `edgekv compress` settings of this strategy's export (ratio/codec overrides applied)."""
-        cfg = self._compress_config(runner, out, system_prompt)
-        if self.prune_ratio is not None:
-            cfg.prune_ratio, cfg.quant = self.prune_ratio, self.quant
-        return cfg
-
-    @abstractmethod
-    def _compress_config(self, runner: Runner, out: str, system_prompt: str) -> CompressConfig:
-        """The strategy's own compress settings, before the ratio/codec overrides."""
 
     def cloud_model(self, runner: Runner) -> LoadedModel:
         """The model that computes the export's KV."""
@@ -101,6 +104,10 @@ class KVStrategy(Strategy):
 
     def prepare(self, runner: Runner) -> None:
         """Work done once per run before the first export (e.g. fitting a translator)."""
+
+    @abstractmethod
+    def make_export(self, runner: Runner, work: Path, prompt_file: Path) -> tuple[Path, dict]:
+        """(the export of the system prompt in `prompt_file`, made in `work`; {cloud_s, bytes, cloud_fp16_bytes})."""
 
     def answering(self, runner: Runner, req: Request) -> Answering:
         export, info = runner.export(self, req.system)
@@ -114,6 +121,27 @@ class KVStrategy(Strategy):
         return EdgeSession(runner.edge, str(export), cache_dir=runner.out / "work" / "kvcache"), True
 
 
+class CompressStrategy(KVStrategy):
+    """A KV strategy whose export `edgekv compress` makes."""
+
+    def compress_config(self, runner: Runner, out: str, system_prompt: str) -> CompressConfig:
+        """The `edgekv compress` settings of this strategy's export (ratio/codec overrides applied)."""
+        cfg = self._compress_config(runner, out, system_prompt)
+        if self.prune_ratio is not None:
+            cfg.prune_ratio, cfg.quant = self.prune_ratio, self.quant
+        return cfg
+
+    @abstractmethod
+    def _compress_config(self, runner: Runner, out: str, system_prompt: str) -> CompressConfig:
+        """The strategy's own compress settings, before the ratio/codec overrides."""
+
+    def make_export(self, runner: Runner, work: Path, prompt_file: Path) -> tuple[Path, dict]:
+        report = runner.compress(self, self.compress_config(runner, str(work / "kv"), f"@{prompt_file}"),
+                                 work.name)
+        return work / "kv", {"cloud_s": report["cloud_s"], "bytes": report["bytes_written"],
+                             "cloud_fp16_bytes": report["raw_fp16_cloud_bytes"]}
+
+
 def parse_strategy(name: str) -> Strategy:
     """`base[:variant][@RATIO/CODEC]` → the registered strategy; one-line error for anything else."""
     head, _, knobs = name.partition("@")
@@ -122,16 +150,13 @@ def parse_strategy(name: str) -> Strategy:
     with_variants = ", ".join(f"{b}:<{'|'.join(c.variants)}>" for b, c in STRATEGIES.items() if c.variants)
     with_knobs = "/".join(b for b, c in STRATEGIES.items() if c.knobs)
     usage = (f"unknown strategy '{name}' (choose from {', '.join(STRATEGIES)}, {with_variants}, and for "
-             f"{with_knobs}[:variant] an @RATIO/CODEC suffix such as ce-lslm@0.25/int4)")
+             f"{with_knobs}[:variant] an @RATIO/CODEC suffix such as ce-lslm@0.25/int4; distilled ones take "
+             "@c<N>, a student of P/N tokens)")
     if cls is None or (variant and variant not in cls.variants):
         raise EdgeKVError(usage)
     if not knobs:
         return cls(name, variant)
-    ratio, _, quant = knobs.partition("/")
-    try:
-        r = float(ratio)
-    except ValueError:
-        raise EdgeKVError(usage) from None
-    if not cls.knobs or quant not in SCHEMES or not 0.0 <= r < 1.0:
+    st = cls.with_knobs(name, variant, knobs)
+    if st is None:
         raise EdgeKVError(usage)
-    return cls(name, variant, r, quant)
+    return st

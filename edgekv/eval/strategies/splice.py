@@ -10,12 +10,12 @@ from pathlib import Path
 
 from edgekv import EdgeKVError
 from edgekv.align.mapping import STRATEGIES as MAPPINGS
-from edgekv.eval.strategies.base import KVStrategy, register_strategy
+from edgekv.eval.strategies.base import CompressStrategy, register_strategy
 from edgekv.kv.compress_job import CompressConfig
 
 
 @register_strategy
-class EdgePrompt(KVStrategy):
+class EdgePrompt(CompressStrategy):
     """Every layer's prompt KV from the "cloud" running the edge model itself, stored losslessly."""
 
     base = "edgeprompt"
@@ -31,7 +31,7 @@ class EdgePrompt(KVStrategy):
 
 
 @register_strategy
-class CeLslm(KVStrategy):
+class CeLslm(CompressStrategy):
     """The cloud model's KV for the deep layers, mapped by similarity (or a baseline mapping) and translated."""
 
     base = "ce-lslm"
@@ -51,7 +51,7 @@ class CeLslm(KVStrategy):
 
 
 @register_strategy
-class CeLslmFuse(KVStrategy):
+class CeLslmFuse(CompressStrategy):
     """The cloud KV of a trained fuser's open layers, fused with the edge's own prefill (`--splice fuse`)."""
 
     base = "ce-lslm-fuse"

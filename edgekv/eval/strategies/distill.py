@@ -1,0 +1,82 @@
+"""Strategies whose export is a distilled, edge-native system-prompt KV (`edgekv distill`): EdgePrompt's format and
+speed, trained so the edge reading it predicts what a teacher predicts reading the whole prompt.
+
+- `ce-lslm-distill`: the cloud teaches a student of every prompt token (P' = P); `@c<N>`: of P/N tokens;
+  `:nosum`: the seed instructions without the summarising one (a query type never in the synthetic set).
+- `edgeprompt-selfdistill@c<N>`: the edge teaches itself (Cartridges' self-study): what compression recovers
+  without the cloud, at equal bytes.
+- `edgeprompt-truncate@c<N>`: the same P/N-token student untrained (0 steps): EdgePrompt of the first P/N tokens.
+The synthetic set of one teacher and prompt is made once and shared by that teacher's strategies; `cloud_s` is
+generation + targets + training of the strategy's student (what it costs per system prompt on its own).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from pathlib import Path
+from typing import ClassVar
+
+from edgekv.config import load_config
+from edgekv.eval.strategies.base import KVStrategy, register_strategy
+from edgekv.kv.distill_job import DistillConfig, run_distill
+
+
+class DistillStrategy(KVStrategy):
+    """A KV strategy whose export `edgekv distill` makes."""
+
+    teacher: ClassVar[str] = "cloud"
+    steps: ClassVar[int | None] = None  # None: the config's
+    knobs: ClassVar[bool] = True
+
+    @classmethod
+    def with_knobs(cls, name, variant, knobs):
+        m = re.fullmatch(r"c([1-9][0-9]*)", knobs)
+        return cls(name, variant, factor=int(m.group(1))) if m else None
+
+    def cloud_model(self, runner):
+        return runner.edge if self.teacher == "self" else runner.cloud
+
+    def distill_config(self, runner, work: Path, prompt_file: Path) -> DistillConfig:
+        """The run's distill config (configs/distill.yaml unless the eval config names another), for this prompt."""
+        c = runner.cfg
+        cfg = load_config(DistillConfig, "distill", c.distill_config, {"system_prompt": f"@{prompt_file}"})
+        instructions = [t for t in cfg.instructions if "summar" not in t.lower()] if self.variant == "nosum" \
+            else cfg.instructions
+        return replace(cfg, out=str(work), system_prompt=f"@{prompt_file}", prompts=None, cloud=c.cloud, edge=c.edge,
+                       dtype=c.dtype, teacher=self.teacher, compress=self.factor, length=None,
+                       steps=cfg.steps if self.steps is None else self.steps, instructions=instructions,
+                       synthetic_dir=str(work.parent.parent / f"synthetic-{self.teacher}-{self.variant or 'all'}"
+                                         / work.name))
+
+    def make_export(self, runner, work, prompt_file):
+        cfg = self.distill_config(runner, work, prompt_file)
+        report = run_distill(cfg, models=(runner.cloud, runner.edge))["reports"]["prompt"]
+        cloud_s = sum(report.get(k) or 0.0 for k in ("generate_s", "targets_s", "train_s"))
+        return Path(report["out"]), {"cloud_s": cloud_s, "bytes": report["bytes_written"],
+                                     "cloud_fp16_bytes": report["full_fp16_bytes"]}
+
+
+@register_strategy
+class CeLslmDistill(DistillStrategy):
+    """The cloud teaches the edge's KV of the whole prompt (or of P/N tokens with @c<N>)."""
+
+    base = "ce-lslm-distill"
+    variants = ("nosum",)
+
+
+@register_strategy
+class EdgepromptSelfDistill(DistillStrategy):
+    """The edge teaches its own shorter KV (the self-study control)."""
+
+    base = "edgeprompt-selfdistill"
+    teacher = "self"
+
+
+@register_strategy
+class EdgepromptTruncate(DistillStrategy):
+    """The student untrained: EdgePrompt of the first P/N tokens."""
+
+    base = "edgeprompt-truncate"
+    teacher = "self"
+    steps = 0
