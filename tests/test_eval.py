@@ -1,6 +1,7 @@
 """`edgekv eval` on tiny models: every strategy × dataset fixture, resumption, metrics, bad input."""
 
 import json
+import math
 import statistics
 
 import pytest
@@ -391,3 +392,21 @@ def test_distilled_strategies_run_and_truncate_is_edgeprompt_of_the_head(tiny_mo
     manifest = json.loads(exports[0].read_text())
     assert manifest["kv_tokens"] == -(-manifest["system_prompt"]["num_tokens"] // 4) == manifest["next_position"]
     assert manifest["distilled"]["steps"] == 0
+
+
+def test_distill_summary_pairs_and_gap_closed():
+    from edgekv.eval.distill_report import distill_summary
+    from edgekv.eval.stats import gap_closed
+
+    rows = []
+    for i in range(6):
+        for strategy, nll in (("edgeprompt", 2.0 + i), ("edge-only", 2.0 + i), ("cloud-only", 1.0 + i),
+                              ("ce-lslm-distill", 1.5 + i + 0.01 * i), ("ce-lslm-fuse", 1.9 + i)):
+            rows.append({"dataset": "xsum", "strategy": strategy, "id": str(i), "ref_nll": nll,
+                         "bytes_cloud_to_edge": 10, "cloud_s": 1.0})
+    s = distill_summary(rows)["xsum"]
+    assert s["distill"]["n"] == 6 and abs(s["distill"]["delta_mean"] - (-0.5 + 0.025)) < 1e-9
+    assert s["distill - fuse"]["delta_ci95"][1] < 0 and s["cloud"]["delta_mean"] == pytest.approx(-1.0)
+    g = s["gap_closed_by_distill"]
+    assert g["fraction"] == pytest.approx(0.475) and g["ci95_lo"] <= 0.475 <= g["ci95_hi"]
+    assert math.isnan(gap_closed([1.0, 2.0], [1.0, 2.0], [1.0, 2.0])["fraction"])  # no gap: undefined, no error

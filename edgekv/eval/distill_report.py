@@ -1,0 +1,85 @@
+"""reports/distill: the distilled strategies of an eval run against EdgePrompt's exact full KV, paired per request.
+
+Conditions (issue "the cloud teaches the edge's system-prompt KV"): `distill` (P' = P, cloud), `distill-c8`
+(P/8, cloud), `self-distill-c8` (P/8, self), `truncate-c8` (the P/8 student untrained), `distill-nosum` (no
+summarising seed instruction), `fuse` (the shipped fuser), `cloud` (the ceiling), `edge` (the edge alone on the
+whole prompt: EdgePrompt's NLL up to the splice's rounding). Δ = reference NLL − EdgePrompt's on the same request,
+with a seeded bootstrap 95 % interval.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from edgekv.atomic import write_text_atomic
+from edgekv.eval.stats import cell_seed, gap_closed, paired_bootstrap
+from edgekv.summary import mean, median
+
+CONDITIONS = {"distill": "ce-lslm-distill", "distill-c8": "ce-lslm-distill@c8",
+              "self-distill-c8": "edgeprompt-selfdistill@c8", "truncate-c8": "edgeprompt-truncate@c8",
+              "distill-nosum": "ce-lslm-distill:nosum", "fuse": "ce-lslm-fuse", "cloud": "cloud-only",
+              "edge": "edge-only"}
+REFERENCE = "edgeprompt"
+CONTRASTS = {"distill - fuse": ("distill", "fuse"), "distill-c8 - self-distill-c8": ("distill-c8", "self-distill-c8"),
+             "distill-c8 - truncate-c8": ("distill-c8", "truncate-c8")}
+
+
+def _paired(rows: list[dict], a: str, b: str, seed: int, *names: str) -> dict | None:
+    by = {(r["strategy"], r["id"]): r.get("ref_nll") for r in rows}
+    ids = sorted({r["id"] for r in rows if r["strategy"] == a} & {r["id"] for r in rows if r["strategy"] == b})
+    if not ids:
+        return None
+    d = paired_bootstrap([by[(a, i)] for i in ids], [by[(b, i)] for i in ids], cell_seed(seed, *names))
+    return {"n": d["n"], "delta_mean": d["delta_mean"], "delta_ci95": [d["ci95_lo"], d["ci95_hi"]]}
+
+
+def distill_summary(rows: list[dict], seed: int = 0) -> dict:
+    """{source: {condition: {n, delta_mean, delta_ci95}, contrasts, gap_closed, bytes, cost}} per dataset."""
+    out: dict[str, dict] = {}
+    for source in dict.fromkeys(r["dataset"] for r in rows):
+        here = [r for r in rows if r["dataset"] == source]
+        cells: dict[str, dict] = {}
+        for cond, strategy in CONDITIONS.items():
+            p = _paired(here, strategy, REFERENCE, seed, source, cond)
+            if p is not None:
+                cells[cond] = p
+        for name, (a, b) in CONTRASTS.items():
+            p = _paired(here, CONDITIONS[a], CONDITIONS[b], seed, source, name)
+            if p is not None:
+                cells[name] = p
+        nll = {(r["strategy"], r["id"]): r.get("ref_nll") for r in here}
+        ids = sorted({i for s, i in nll if s == "ce-lslm-distill"} & {i for s, i in nll if s == "edge-only"}
+                     & {i for s, i in nll if s == "cloud-only"})
+        if ids:
+            cells["gap_closed_by_distill"] = gap_closed([nll["edge-only", i] for i in ids],
+                                                        [nll["ce-lslm-distill", i] for i in ids],
+                                                        [nll["cloud-only", i] for i in ids], cell_seed(seed, source))
+        cells["bytes_mean"] = {c: mean([r["bytes_cloud_to_edge"] for r in here if r["strategy"] == s])
+                               for c, s in {**CONDITIONS, "edgeprompt": REFERENCE}.items()}
+        cells["cloud_s_median"] = {c: median([r["cloud_s"] for r in here if r["strategy"] == s])
+                                   for c, s in {**CONDITIONS, "edgeprompt": REFERENCE}.items()}
+        if source == "mmlu":
+            cells["accuracy"] = {c: mean([r.get("correct") for r in here if r["strategy"] == s])
+                                 for c, s in {**CONDITIONS, "edgeprompt": REFERENCE}.items()}
+        out[source] = cells
+    return out
+
+
+def write_distill_report(run: Path, out: Path, seed: int = 0) -> dict:
+    """summary.json and rows.jsonl (the run's rows of the compared strategies) into `out`."""
+    keep = {*CONDITIONS.values(), REFERENCE}
+    rows = [json.loads(line) for line in (run / "results.jsonl").read_text(encoding="utf-8").splitlines()
+            if line.strip()]
+    rows = [r for r in rows if r["strategy"] in keep]
+    summary = distill_summary(rows, seed)
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / "rows.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    write_text_atomic(out / "summary.json", json.dumps(summary, indent=1))
+    return summary
+
+
+if __name__ == "__main__":  # python -m edgekv.eval.distill_report RUN_DIR OUT_DIR
+    import sys
+
+    print(json.dumps(write_distill_report(Path(sys.argv[1]), Path(sys.argv[2])), indent=1))
