@@ -13,11 +13,9 @@ prefill: EdgePrompt exactly.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
 from edgekv import EdgeKVError
 from edgekv.attention.prefix_kv import PrefixKV, continuation_logits, prefix_kv
@@ -58,27 +56,24 @@ def select_tokens(n: int, keep: int, rule: str) -> tuple[torch.Tensor, int]:
 @torch.no_grad()
 def synthesize(teacher: LoadedModel, system_ids: torch.Tensor, instructions: list[str], samples: int,
                max_tokens: int, temperature: float, seed: int, on_sample=None) -> list[Sample]:
-    """`samples` sampled answers of the teacher (reading the whole prompt, whose KV is computed once) to each
-    instruction, seeded per (instruction, sample): the set does not depend on how many come after. Sampling is
-    transformers' `generate` (plain temperature sampling, no top-k/top-p), not a loop of ours."""
+    """`samples` sampled answers of the teacher (reading the whole prompt) to each instruction, drawn together as
+    one batch per instruction and seeded per instruction: the set does not depend on the instructions after it.
+    Sampling is transformers' `generate` (plain temperature sampling, no top-k/top-p), not a loop of ours."""
     tok, ends = teacher.tokenizer, eos_ids(teacher)
-    prompt = DynamicCache()
-    teacher.model(input_ids=system_ids[None], past_key_values=prompt, use_cache=True, logits_to_keep=1)
     out = []
     for k, text in enumerate(instructions):
         user = torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
         if not user.numel():
             raise EdgeKVError(f"seed instruction {k} encodes to no tokens")
         full = torch.cat([system_ids, user])[None]
-        for s in range(samples):
-            torch.manual_seed(seed * 1_000_003 + k * 1_009 + s)  # generate samples from the global generator
-            got = teacher.model.generate(full, attention_mask=torch.ones_like(full),
-                                         past_key_values=copy.deepcopy(prompt), max_new_tokens=max_tokens,
-                                         do_sample=temperature > 0, temperature=temperature or None, top_k=0,
-                                         top_p=1.0, pad_token_id=tok.eos_token_id)[0, full.shape[1]:]
-            eos = torch.isin(got, torch.tensor(sorted(ends))).nonzero()
-            answer = got[: int(eos[0])] if eos.numel() else got
-            if answer.numel():
+        torch.manual_seed(seed * 1_000_003 + k)  # generate samples from the global generator
+        got = teacher.model.generate(full, attention_mask=torch.ones_like(full), max_new_tokens=max_tokens,
+                                     do_sample=temperature > 0, temperature=temperature or None, top_k=0, top_p=1.0,
+                                     num_return_sequences=samples, pad_token_id=tok.eos_token_id)[:, full.shape[1]:]
+        for row in got:
+            eos = torch.isin(row, torch.tensor(sorted(ends))).nonzero()
+            answer = row[: int(eos[0])] if eos.numel() else row
+            if answer.numel() >= 2:
                 out.append(Sample(k, user, answer.clone()))
             if on_sample:
                 on_sample()

@@ -157,6 +157,7 @@ class Sequence:
     def __init__(self, req: GenRequest, on_event: Callable[[str, object], None]):
         self.req, self.on_event = req, on_event
         self.own: list[torch.Tensor] = []  # [k_0, v_0, k_1, v_1, …], each (1, kv_heads, own tokens, d)
+        self.cache = None  # relay=False: the request's own cache over the system KV
         self.tokens: list[int] = []
         self.infos: list[TokenInfo] = []
         self.text, self.sent = "", 0  # decoded answer; characters already streamed
@@ -199,20 +200,27 @@ class Engine:
     """Owns the session's model on one thread; `submit` queues a request, `cancel` drops one."""
 
     def __init__(self, session: EdgeSession, max_batch: int = 32, max_queue: int = 256, max_step_tokens: int = 512,
-                 background: bool = True):
-        """`background=False`: no thread of its own; `generate`/`generate_all` run the steps on the caller's
-        thread. On a machine with as many cores as torch threads, every thread that has run a forward keeps an
-        OpenMP pool, and two live pools make libgomp throttle its spin-waits to ~100 spins: each of the hundreds
-        of parallel regions of a forward then pays a futex wake-up (measured: `bench.omp_pools`, reports/README).
-        A process that computes on one thread anyway (a batch file, a bench) drives the engine inline and keeps
-        one pool."""
+                 background: bool = True, relay: bool = True):
+        """`relay=False` (one request at a time, `max_batch=1`): each step attends over the request's own cache of the
+        system KV (`PrefixKV.request_cache`: one softmax over [system; own], stock SDPA numerics) instead of
+        relay attention's two merged segments — the numbers a plain transformers forward gives, which
+        `EdgeSession.complete` keeps for scoring and benches.
+        `background=False`: no thread of its own; `generate`/`generate_all` run the steps on the caller's thread. On a
+        machine with as many cores as torch threads, every thread that has run a forward keeps an OpenMP pool,
+        and two live pools make libgomp throttle its spin-waits to ~100 spins: each of the hundreds of parallel
+        regions of a forward then pays a futex wake-up (measured: `bench.omp_pools`, reports/README). A process
+        that computes on one thread anyway (a batch file, a bench) drives the engine inline and keeps one pool."""
         if max_batch < 1 or max_queue < 1 or max_step_tokens < 1:
             raise EdgeKVError("max_batch, max_queue and max_step_tokens must be ≥ 1")
+        if not relay and max_batch != 1:
+            raise EdgeKVError("relay=False serves one request at a time (max_batch=1)")
+        self.relay = relay
         self.session, self.max_batch, self.max_queue = session, max_batch, max_queue
         self.max_step_tokens = max_step_tokens
         self.model, self.tokenizer, self.system = session.model, session.edge.tokenizer, session.system
         self.eos = session.eos_ids
-        enable_fusion(self.model)  # the attention function that also runs relay steps
+        if relay:  # the attention function that also runs relay steps (a fuse SystemKV has enabled it already)
+            enable_fusion(self.model)
         _, kv_heads, head_dim = attn_shape(self.model)
         self._empty = torch.zeros(1, kv_heads, 0, head_dim, dtype=self.system.dtype)
         self.waiting: deque[Sequence] = deque()
@@ -339,6 +347,9 @@ class Engine:
         for seq in admitted:
             if seq.finish is None:
                 seq.own = [self._empty] * (2 * self.system.num_layers)
+                if not self.relay:
+                    seq.cache = self.system.request_cache(on_wait=lambda t, q=seq: setattr(q, "layer_wait",
+                                                                                         q.layer_wait + t))
                 seq.pending = seq.req.user_ids
                 seq.position = self.system.next_position
                 self.running.append(seq)
@@ -374,10 +385,16 @@ class Engine:
             waited[0] += time.perf_counter() - start
             return kv
 
-        batch = RelayBatch(shared, [q.own for q, _ in work], q_lens, s.segments)
-        logits = self.model(input_ids=ids, past_key_values=relay_cache(batch, s.num_layers, s.prefix_len),
-                            position_ids=positions, use_cache=True, logits_to_keep=torch.tensor(keep),
-                            relay=batch).logits[0]
+        if self.relay:
+            batch = RelayBatch(shared, [q.own for q, _ in work], q_lens, s.segments)
+            logits = self.model(input_ids=ids, past_key_values=relay_cache(batch, s.num_layers, s.prefix_len),
+                                position_ids=positions, use_cache=True, logits_to_keep=torch.tensor(keep),
+                                relay=batch).logits[0]
+        else:  # one request over its own cache of the system KV (waits are counted by the cache itself)
+            last_only = keep == [ids.shape[1] - 1]
+            logits = self.model(input_ids=ids, past_key_values=work[0][0].cache, position_ids=positions,
+                                use_cache=True, logits_to_keep=1 if last_only else torch.tensor(keep),
+                                **s.attention_kwargs()).logits[0]
         self.stats["batched_tokens"] += ids.shape[1]
         row = 0
         for (seq, _), n, all_rows in zip(work, q_lens, scored):
@@ -472,9 +489,11 @@ class Engine:
             seq.sent = len(seq.text)
         self.stats["cancelled" if reason == "cancelled" else "finished"] += 1
         # an errored request may have failed on the system KV itself: do not read it again for its size
+        own = seq.own if seq.cache is None else [t for layer in seq.cache.layers if layer.is_initialized
+                                                 for t in (layer.keys, layer.values)]
         kv_bytes = 0 if reason in ("error", "cancelled") else self.system.nbytes + sum(
-            t.numel() * t.element_size() for t in seq.own)
-        seq.own = []
+            t.numel() * t.element_size() for t in own)
+        seq.own, seq.cache = [], None
         result = Result(seq.text, list(seq.tokens), reason, int(seq.req.user_ids.numel()), seq.ttft or 0.0,
                         time.perf_counter() - seq.submitted, seq.infos, seq.prompt_infos, error, seq.layer_wait,
                         seq.first_logits, kv_bytes)

@@ -78,7 +78,8 @@ class EdgeSession:
         user = self.encode_user(prompt) if isinstance(prompt, str) else prompt
         with self._engine_lock:  # one caller drives the inline engine at a time
             if self._engine is None:
-                self._engine = Engine(self, max_batch=1, background=False)
+                self._engine = Engine(self, max_batch=1, max_step_tokens=self.max_context, background=False,
+                                      relay=False)
             self._engine.eos = self.eos_ids
             done = self._engine.generate(GenRequest(user, params, first_logits=True))
         if done.error is not None:
