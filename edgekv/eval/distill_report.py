@@ -66,11 +66,11 @@ def distill_summary(rows: list[dict], seed: int = 0) -> dict:
     return out
 
 
-def write_distill_report(run: Path, out: Path, seed: int = 0) -> dict:
-    """summary.json and rows.jsonl (the run's rows of the compared strategies) into `out`."""
+def write_distill_report(runs: list[Path], out: Path, seed: int = 0) -> dict:
+    """summary.json and rows.jsonl (the runs' rows of the compared strategies) into `out`."""
     keep = {*CONDITIONS.values(), REFERENCE}
-    rows = [json.loads(line) for line in (run / "results.jsonl").read_text(encoding="utf-8").splitlines()
-            if line.strip()]
+    rows = [json.loads(line) for run in runs for line in (run / "results.jsonl").read_text(encoding="utf-8")
+            .splitlines() if line.strip()]
     rows = [r for r in rows if r["strategy"] in keep]
     summary = distill_summary(rows, seed)
     out.mkdir(parents=True, exist_ok=True)
@@ -79,7 +79,7 @@ def write_distill_report(run: Path, out: Path, seed: int = 0) -> dict:
     return summary
 
 
-if __name__ == "__main__":  # python -m edgekv.eval.distill_report RUN_DIR OUT_DIR
+if __name__ == "__main__":  # python -m edgekv.eval.distill_report OUT_DIR RUN_DIR [RUN_DIR ...]
     import sys
 
-    print(json.dumps(write_distill_report(Path(sys.argv[1]), Path(sys.argv[2])), indent=1))
+    print(json.dumps(write_distill_report([Path(a) for a in sys.argv[2:]], Path(sys.argv[1])), indent=1))
