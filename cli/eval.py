@@ -18,8 +18,9 @@ def eval_(
     config: Optional[Path] = typer.Option(None, help="YAML config, e.g. configs/eval/default.yaml."),
     dataset: Optional[str] = typer.Option(None, help="xsum, mmlu, sharegpt (comma-separated) [all three]."),
     strategies: Optional[str] = typer.Option(
-        None, help="cloud-only, edge-only, edge-naive, edgeprompt, ce-lslm[:mapping], ce-lslm-fuse; "
-                   "edgeprompt/ce-lslm take @RATIO/CODEC (ce-lslm@0.25/int4)."),
+        None, help="cloud-only, edge-only, edge-naive, edgeprompt, ce-lslm[:mapping], ce-lslm-fuse, "
+                   "ce-lslm-distill[:nosum], edgeprompt-selfdistill, edgeprompt-truncate; edgeprompt/ce-lslm take "
+                   "@RATIO/CODEC (ce-lslm@0.25/int4), the distilled ones @c<N> (a student of P/N tokens)."),
     limit: Optional[int] = typer.Option(None, help="Requests per dataset [20]."),
     out: Optional[Path] = typer.Option(None, help="Report directory (resumes from its results.jsonl)."),
     max_new_tokens: Optional[int] = typer.Option(None, help="Tokens generated per answer [32]."),
