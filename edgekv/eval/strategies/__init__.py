@@ -2,7 +2,9 @@
 grammar). Importing this package registers every kind; a new strategy is one class in one file here, plus its
 import below."""
 
-from edgekv.eval.strategies import distill, local, splice  # noqa: F401  (registers every kind)
+# registering every kind, in the order the usage message lists them
+from edgekv.eval.strategies import local, splice  # noqa: F401, I001  # isort: skip
+from edgekv.eval.strategies import distill  # noqa: F401, E402  # isort: skip
 from edgekv.eval.strategies.base import (
     STRATEGIES,
     Answering,
