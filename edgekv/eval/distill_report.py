@@ -14,6 +14,7 @@ from pathlib import Path
 
 from edgekv.atomic import write_text_atomic
 from edgekv.eval.stats import cell_seed, gap_closed, paired_bootstrap
+from edgekv.plots import interval_plot
 from edgekv.summary import mean, median
 
 CONDITIONS = {"distill": "ce-lslm-distill", "distill-c8": "ce-lslm-distill@c8",
@@ -72,10 +73,22 @@ def write_distill_report(runs: list[Path], out: Path, seed: int = 0) -> dict:
     rows = [json.loads(line) for run in runs for line in (run / "results.jsonl").read_text(encoding="utf-8")
             .splitlines() if line.strip()]
     rows = [r for r in rows if r["strategy"] in keep]
+    # a run stopped mid-request (resumable) leaves some strategies of its last request unanswered: compare only
+    # requests every strategy of the run answered, so each condition is paired over the same requests
+    ran = {r["strategy"] for r in rows}
+    done = {(d, i) for d, i in {(r["dataset"], r["id"]) for r in rows}
+            if ran <= {r["strategy"] for r in rows if (r["dataset"], r["id"]) == (d, i)}}
+    rows = [r for r in rows if (r["dataset"], r["id"]) in done]
     summary = distill_summary(rows, seed)
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "rows.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     write_text_atomic(out / "summary.json", json.dumps(summary, indent=1))
+    ci = {src: {k: v for k, v in cells.items() if k in CONDITIONS or k in CONTRASTS and v["delta_ci95"][0] is not None}
+          for src, cells in summary.items()}
+    ci = {src: {k: v for k, v in cells.items() if v["delta_ci95"][0] is not None} for src, cells in ci.items()}
+    if any(ci.values()):
+        interval_plot({s: c for s, c in ci.items() if c}, out / "delta_nll.png",
+                      "reference NLL vs EdgePrompt's exact KV (and contrasts), paired, 95 % bootstrap")
     return summary
 
 
