@@ -83,11 +83,11 @@ def write_distill_report(runs: list[Path], out: Path, seed: int = 0) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "rows.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     write_text_atomic(out / "summary.json", json.dumps(summary, indent=1))
-    ci = {src: {k: v for k, v in cells.items() if k in CONDITIONS or k in CONTRASTS and v["delta_ci95"][0] is not None}
-          for src, cells in summary.items()}
-    ci = {src: {k: v for k, v in cells.items() if v["delta_ci95"][0] is not None} for src, cells in ci.items()}
-    if any(ci.values()):
-        interval_plot({s: c for s, c in ci.items() if c}, out / "delta_nll.png",
+    ci = {src: drawn for src, cells in summary.items()  # the paired cells with an interval (n ≥ 2)
+          if (drawn := {k: v for k, v in cells.items()
+                        if (k in CONDITIONS or k in CONTRASTS) and v["delta_ci95"][0] is not None})}
+    if ci:
+        interval_plot(ci, out / "delta_nll.png",
                       "reference NLL vs EdgePrompt's exact KV (and contrasts), paired, 95 % bootstrap")
     return summary
 
