@@ -218,7 +218,6 @@ class Engine:
         self.session, self.max_batch, self.max_queue = session, max_batch, max_queue
         self.max_step_tokens = max_step_tokens
         self.model, self.tokenizer, self.system = session.model, session.edge.tokenizer, session.system
-        self.eos = session.eos_ids
         if relay:  # the attention function that also runs relay steps (a fuse SystemKV has enabled it already)
             enable_fusion(self.model)
         _, kv_heads, head_dim = attn_shape(self.model)
@@ -432,7 +431,7 @@ class Engine:
             if seq.req.first_logits:
                 seq.first_logits = logits.float()
         token = pick_token(logits, seq.req.params, seq.generator)
-        if token in self.eos:
+        if token in self.session.eos_ids:  # read per token: a caller may change the session's set
             return self._finish(seq, "stop")
         logp, top = None, None
         if seq.req.logprobs is not None:

@@ -80,7 +80,6 @@ class EdgeSession:
             if self._engine is None:
                 self._engine = Engine(self, max_batch=1, max_step_tokens=self.max_context, background=False,
                                       relay=False)
-            self._engine.eos = self.eos_ids
             done = self._engine.generate(GenRequest(user, params, first_logits=True))
         if done.error is not None:
             raise EdgeKVError(done.error)
