@@ -33,18 +33,18 @@ def main() -> None:
     ids = torch.randint(0, plain.config.vocab_size - 1000, (1, S + U))
     positions = torch.arange(S, S + U)[None]
     with torch.no_grad():
-        caches = {m: m(ids[:, :S], use_cache=True).past_key_values for m in (plain, packed)}
+        caches = {m: m(ids[:, :S], use_cache=True).cache for m in (plain, packed)}
         same = {
-            "splice": torch.equal(plain(ids[:, S:], past_key_values=copy.deepcopy(caches[plain]),
+            "splice": torch.equal(plain(ids[:, S:], cache=copy.deepcopy(caches[plain]),
                                         position_ids=positions).logits,
-                                  packed(ids[:, S:], past_key_values=copy.deepcopy(caches[packed]),
+                                  packed(ids[:, S:], cache=copy.deepcopy(caches[packed]),
                                          position_ids=positions).logits),
             "prefill": torch.equal(plain(ids).logits, packed(ids).logits)}
 
     def splice(model):
         def run():
             with torch.no_grad():
-                model(ids[:, S:], past_key_values=copy.deepcopy(caches[model]), position_ids=positions,
+                model(ids[:, S:], cache=copy.deepcopy(caches[model]), position_ids=positions,
                       logits_to_keep=1)
         return run
 

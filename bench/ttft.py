@@ -115,7 +115,7 @@ def main() -> None:
         raise SystemExit(f"the heterogeneous export {het_kv} was made for another system prompt; delete it")
 
     with torch.no_grad():
-        base_cache = model(sys_ids[None], use_cache=True).past_key_values
+        base_cache = model(sys_ids[None], use_cache=True).cache
     full_ids = [torch.cat([sys_ids, u])[None] for u in users]
     positions = torch.arange(S, S + U)[None]
 
@@ -131,7 +131,7 @@ def main() -> None:
 
     def deep_copy(n=[0]):
         with torch.no_grad():
-            model(users[n[0] % 3][None], past_key_values=copy.deepcopy(base_cache), position_ids=positions).logits
+            model(users[n[0] % 3][None], cache=copy.deepcopy(base_cache), position_ids=positions).logits
         n[0] += 1
 
     def spliced(session):
@@ -227,7 +227,7 @@ def main() -> None:
             want_logits = model(full, logits_to_keep=1).logits[0, -1].float()
             want = model.generate(full, max_new_tokens=32, do_sample=False, eos_token_id=None,
                                   pad_token_id=0)[0, full.shape[1]:].tolist()
-            got_logits = model(u[None], past_key_values=same.system.request_cache(), position_ids=positions,
+            got_logits = model(u[None], cache=same.system.request_cache(), position_ids=positions,
                                logits_to_keep=1).logits[0, -1].float()
         got = same.complete(u, SamplingParams(max_new_tokens=32)).token_ids
         diffs.append(float((got_logits - want_logits).abs().max()))

@@ -33,6 +33,7 @@ def align(
     rsa_tokens: Optional[int] = typer.Option(None, help="Seeded subsample of tokens for RSA [2048]."),
     features: Optional[str] = typer.Option(None, help="Comma list of hidden, k, v, k_unrot [hidden]."),
     dtype: Optional[str] = typer.Option(None, help="bfloat16, float16 or float32 [bfloat16]."),
+    device: Optional[str] = typer.Option(None, help="cpu, cuda or auto (CUDA when torch sees a GPU) [cpu]."),
     device_map: Optional[str] = typer.Option(None, help="accelerate device map for large models, e.g. auto."),
     seed: Optional[int] = typer.Option(None, help="Seed for every subsample [0]."),
     config: Optional[Path] = typer.Option(None, help="YAML config (flags override it)."),
@@ -43,7 +44,7 @@ def align(
                      metric=metric, tau_cka=tau_cka, tau_rsa=tau_rsa, skip_first=skip_first,
                      outlier_ratio=outlier_ratio,
                      sample_tokens=sample_tokens, rsa_tokens=rsa_tokens, features=parse_list(features),
-                     dtype=dtype, device_map=device_map, seed=seed)
+                     dtype=dtype, device=device, device_map=device_map, seed=seed)
     cfg = load_config(AlignConfig, "align", config, overrides)
     with progress_bar() as progress:
         result = run_align(cfg, progress)

@@ -31,6 +31,7 @@ def distill(
     lr: Optional[float] = typer.Option(None, help="Adam learning rate [5e-3]."),
     quant: Optional[str] = typer.Option(None, help="Export codec: fp32, fp16, bf16, int8, int4 [bf16]."),
     dtype: Optional[str] = typer.Option(None, help="bfloat16, float16 or float32 [bfloat16]."),
+    device: Optional[str] = typer.Option(None, help="cpu, cuda or auto (CUDA when torch sees a GPU) [cpu]."),
     seed: Optional[int] = typer.Option(None, help="Seed [0]."),
     config: Optional[Path] = typer.Option(None, help="YAML config (flags override it) [configs/distill.yaml]."),
 ) -> None:
@@ -38,7 +39,7 @@ def distill(
     overrides = dict(system_prompt=system_prompt, prompts=str(prompts) if prompts else None,
                      out=str(out) if out else None, cloud=cloud, edge=edge, teacher=teacher, length=length,
                      compress=compress, rule=rule, param=param, rank=rank, samples=samples, steps=steps, lr=lr,
-                     quant=quant, dtype=dtype, seed=seed)
+                     quant=quant, dtype=dtype, device=device, seed=seed)
     cfg = load_config(DistillConfig, "distill", config, overrides)
     with progress_bar() as progress:
         summary = run_distill(cfg, progress)

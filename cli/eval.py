@@ -16,6 +16,10 @@ from edgekv.eval.report import table_ii
 @one_line_errors
 def eval_(
     config: Optional[Path] = typer.Option(None, help="YAML config, e.g. configs/eval/default.yaml."),
+    cloud: Optional[str] = typer.Option(None, help="Cloud model: alias, hub id, directory or .gguf [default-cloud]."),
+    edge: Optional[str] = typer.Option(None, help="Edge model [default-edge]."),
+    dtype: Optional[str] = typer.Option(None, help="bfloat16, float16 or float32 [bfloat16]."),
+    device: Optional[str] = typer.Option(None, help="cpu, cuda or auto (CUDA when torch sees a GPU) [cpu]."),
     dataset: Optional[str] = typer.Option(None, help="xsum, mmlu, sharegpt (comma-separated) [all three]."),
     strategies: Optional[str] = typer.Option(
         None, help="cloud-only, edge-only, edge-naive, edgeprompt, ce-lslm[:mapping], ce-lslm-fuse, "
@@ -38,7 +42,8 @@ def eval_(
     naive_keep: Optional[str] = typer.Option(None, help="edge-naive keeps the head, tail or head-tail [head]."),
 ) -> None:
     """Evaluate strategies on XSum / MMLU / ShareGPT: latency, memory, bytes, upload ratio and quality."""
-    overrides = dict(datasets=parse_list(dataset), strategies=parse_list(strategies), limit=limit,
+    overrides = dict(cloud=cloud, edge=edge, dtype=dtype, device=device, datasets=parse_list(dataset),
+                     strategies=parse_list(strategies), limit=limit,
                      out=str(out) if out else None, max_new_tokens=max_new_tokens, bandwidth_mbps=bandwidth_mbps,
                      latency_ms=latency_ms, translator=translator,
                      translator_path=str(translator_path) if translator_path else None, seed=seed,

@@ -17,6 +17,8 @@ def train_fuser(
     out: Optional[Path] = typer.Option(None, help="Output directory (resumes from its checkpoint) [runs/fuser-m12]."),
     cloud: Optional[str] = typer.Option(None, help="Cloud model [default-cloud]."),
     edge: Optional[str] = typer.Option(None, help="Edge model [default-edge]."),
+    dtype: Optional[str] = typer.Option(None, help="bfloat16, float16 or float32 [bfloat16]."),
+    device: Optional[str] = typer.Option(None, help="cpu, cuda or auto (CUDA when torch sees a GPU) [cpu]."),
     gate: Optional[str] = typer.Option(None, help="fuse-bias or fuse-residual [fuse-bias]."),
     self_fuse: Optional[bool] = typer.Option(None, "--self-fuse/--no-self-fuse",
                                              help="Train edge → edge (the adapter-only control) [no]."),
@@ -38,7 +40,8 @@ def train_fuser(
     config: Optional[Path] = typer.Option(None, help="YAML config, e.g. configs/train_fuser.yaml."),
 ) -> None:
     """Train a fuser on the cloud's next-token distributions and choose its per-layer hard gates."""
-    overrides = dict(out=str(out) if out else None, cloud=cloud, edge=edge, gate=gate, self_fuse=self_fuse,
+    overrides = dict(out=str(out) if out else None, cloud=cloud, edge=edge, dtype=dtype, device=device, gate=gate,
+                     self_fuse=self_fuse,
                      mapping=str(mapping) if mapping else None, strategy=strategy, start_layer=start_layer,
                      train_texts=train_texts, xsum_texts=xsum_texts, gate_texts=gate_texts, steps=steps,
                      minutes=minutes, lr=lr, map_lr=map_lr,

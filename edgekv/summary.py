@@ -1,9 +1,15 @@
-"""One definition of each summary number the project reports: mean, median and percentile (None for no values;
-None entries are left out, so a column with gaps summarises what it has)."""
+"""One definition of each summary number the project reports: mean, median, percentile and the seeded bootstrap
+interval (None for no values; None entries are left out, so a column with gaps summarises what it has)."""
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
+
+import numpy as np
+
+BOOTSTRAP_SAMPLES = 4000
+STATS = {"mean": lambda a: a.mean(axis=-1), "median": lambda a: np.median(a, axis=-1)}
 
 
 def _present(values) -> list[float]:
@@ -32,3 +38,17 @@ def percentile(values, q: float) -> float | None:
     lo = int(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def bootstrap_ci(values: Sequence[float], stat: str = "mean", seed: int = 0, level: float = 0.95,
+                 samples: int = BOOTSTRAP_SAMPLES) -> tuple[float | None, float | None]:
+    """Percentile bootstrap interval of `stat` over the values (resampled with replacement); (None, None) for
+    fewer than two values, where resampling says nothing."""
+    x = np.asarray([v for v in values if v is not None], dtype=np.float64)
+    if x.size < 2:
+        return None, None
+    rng = np.random.default_rng(seed)
+    draws = STATS[stat](x[rng.integers(0, x.size, size=(samples, x.size))])
+    alpha = (1 - level) / 2
+    lo, hi = np.quantile(draws, [alpha, 1 - alpha])
+    return float(lo), float(hi)

@@ -30,7 +30,7 @@ def test_same_model_fp16_roundtrip_is_bit_exact(tiny_models, tmp_path):
     assert report["regime"] == "same-model"
     model = load_model(tiny_models["edge"], "float32")
     ids = torch.tensor(model.tokenizer(PROMPT)["input_ids"])
-    cache = model.model(ids[None], use_cache=True).past_key_values
+    cache = model.model(ids[None], use_cache=True).cache
     export = KVExport(out, Expect(edge_fingerprint=model.fingerprint,
                                   tokenizer_fingerprint=tokenizer_fingerprint(model.tokenizer)))
     assert export.layer_indices == [0, 1, 2]

@@ -350,3 +350,21 @@ def test_raw_features_map_as_cached_ones_and_trained_maps_learn_and_resume_exact
     assert all(torch.equal(again.tensors()[k], t) for k, t in straight.tensors().items())
     with pytest.raises(EdgeKVError, match="trained other tensors"):  # gates-only run on a maps checkpoint
         train(edge, fresh(), raw, [], steps=9, lr=3e-3, checkpoint=tmp_path / "ck", every=3)
+
+
+@pytest.mark.parametrize("gains, opens", [([2e-5, -1e-5, 3e-5, -2e-5, 1e-5, 2e-5], False),  # noise: stays shut
+                                          ([0.08, 0.11, 0.09, 0.12, 0.1, 0.07], True)])  # a consistent gain opens
+def test_gates_open_only_on_a_held_out_gain_that_clears_noise(calib_file, tmp_path, monkeypatch, gains, opens):
+    from edgekv.kv import fuser_training
+
+    _, edge, fuser, _ = _pair(tmp_path, calib_file)
+    closed = [3.0, 2.5, 2.8, 3.1, 2.9, 2.7]
+
+    def per_text(edge, fuser, examples, layers):  # the held-out NLLs: closed, or lowered by `gains` when open
+        nll = closed if not layers else [c - g for c, g in zip(closed, gains)]
+        return [0.0] * len(nll), nll
+
+    monkeypatch.setattr(fuser_training, "per_text", per_text)
+    evidence = choose_gates(edge, fuser, list(range(6)))
+    assert (evidence["open"] != []) == opens and (evidence["gain_lower_bound"] > 0) == opens
+    assert sum(gains) / 6 > 0  # the noise case does gain on average: the old rule (any gain) opened it

@@ -36,7 +36,7 @@ def test_a_prepacked_model_gives_the_same_logits_and_cache():
     assert not any(type(m) is torch.nn.Linear for m in model.model.layers.modules())
     assert isinstance(model.get_output_embeddings(), PackedLinear)
     assert torch.equal(got.logits, want.logits)
-    for a, b in zip(got.past_key_values.layers, want.past_key_values.layers):
+    for a, b in zip(got.cache.layers, want.cache.layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 

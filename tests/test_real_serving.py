@@ -33,7 +33,7 @@ def test_spliced_greedy_equals_generate_float32(tmp_path, start_layer):
             want = edge.model.generate(full, max_new_tokens=32, do_sample=False, eos_token_id=None,
                                        pad_token_id=0)[0, full.shape[1]:].tolist()
             u = session.encode_user(user)
-            got_logits = edge.model(u[None], past_key_values=session.system.request_cache(), position_ids=torch.arange(
+            got_logits = edge.model(u[None], cache=session.system.request_cache(), position_ids=torch.arange(
                 session.prefix_len, session.prefix_len + len(u))[None]).logits[0, -1]
         assert (got_logits - want_logits).abs().max() < 1e-4
         assert session.complete(user, SamplingParams(max_new_tokens=32)).token_ids == want

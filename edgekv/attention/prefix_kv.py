@@ -40,7 +40,7 @@ def prefix_kv(model: torch.nn.Module, ids: torch.Tensor, layers: int | None = No
 
     handle = blocks[n - 1].register_forward_hook(stop) if n < len(blocks) else None
     try:
-        model(input_ids=ids[None], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids[None], cache=cache, use_cache=True, logits_to_keep=1)
     except _StopForward:
         pass
     finally:
@@ -188,7 +188,7 @@ def continuation_logits(model: torch.nn.Module, prefix: PrefixKV, ids: torch.Ten
     """The model's logits (T, vocab) at each of `ids` read after `prefix` (positions from its `next_position`);
     differentiable in the prefix's tensors (callers choose no_grad)."""
     positions = torch.arange(prefix.next_position, prefix.next_position + ids.numel())[None]
-    return model(input_ids=ids[None], past_key_values=prefix.request_cache(), position_ids=positions,
+    return model(input_ids=ids[None], cache=prefix.request_cache(), position_ids=positions,
                  use_cache=True, **prefix.attention_kwargs()).logits[0]
 
 

@@ -7,7 +7,8 @@
 - ShareGPT: the earlier turns are the system prompt, the last human turn the user prompt, the reply the reference.
 
 Local files (the offline samples in data/) or hub ids through `datasets` (`EdinburghNLP/xsum`, `cais/mmlu`).
-Seeded sampling, token-length filters, and truncation of the system prompt to a token budget.
+Seeded sampling, token-length filters, and truncation of the system prompt to a token budget (by ids, the
+re-encoded text checked against the budget).
 """
 
 from __future__ import annotations
@@ -174,8 +175,8 @@ def load_requests(name: str, tokenizer, limit: int, seed: int = 0, source: str |
         user_ids = tokenizer(r.user, add_special_tokens=False)["input_ids"]
         if len(sys_ids) < min_system_tokens or len(user_ids) > max_user_tokens or not r.reference:
             continue
-        if len(sys_ids) > max_system_tokens:
-            r.system = tokenizer.decode(sys_ids[:max_system_tokens], skip_special_tokens=True)
+        if len(sys_ids) > max_system_tokens:  # cut by ids, then re-checked: decoding can re-encode longer
+            r.system = truncate_prompt(tokenizer, r.system, max_system_tokens)
         out.append(r)
         if len(out) == limit:
             break
@@ -203,6 +204,7 @@ def truncate_prompt(tokenizer, text: str, budget: int, keep: str = "head") -> st
         head = n if keep == "head" else 0 if keep == "tail" else (n + 1) // 2
         tail = n - head
         cut = tokenizer.decode(ids[:head]) + (tokenizer.decode(ids[len(ids) - tail:]) if tail else "")
-        if count(cut) <= budget or n == 0:
+        got = count(cut)
+        if got <= budget or n == 0:
             return cut
-        n -= 1
+        n = min(n - 1, n * budget // got)  # proportional: a character-level re-encoding can double the count

@@ -40,7 +40,8 @@ from edgekv.eval.report import write_report
 from edgekv.eval.strategies import CompressStrategy, KVStrategy, parse_strategy
 from edgekv.kv.compress_job import CompressConfig, _calibration, get_translator, resolve_pairs, run_compress
 from edgekv.kv.registry import TRANSLATORS, save_translator
-from edgekv.models.loading import DTYPES, LoadedModel, check_tokenizers, load_model
+from edgekv.models.loading import DTYPES, LoadedModel, check_tokenizers, load_pair
+from edgekv.models.structure import check_context
 from edgekv.progress import Steps
 from edgekv.serve.engine import SamplingParams
 from edgekv.serve.pipeline import Link
@@ -57,6 +58,7 @@ class EvalConfig:
     cloud: str = "default-cloud"
     edge: str = "default-edge"
     dtype: str = "bfloat16"
+    device: str = "cpu"  # cpu, cuda or auto
     datasets: list[str] = field(default_factory=lambda: ["xsum", "mmlu", "sharegpt"])
     strategies: list[str] = field(default_factory=lambda: ["cloud-only", "edge-only", "edgeprompt", "ce-lslm"])
     limit: int = 20
@@ -166,8 +168,7 @@ class Runner:
         if models is not None:
             self.cloud, self.edge = models
         else:
-            self.edge = load_model(cfg.edge, cfg.dtype)
-            self.cloud = load_model(cfg.cloud, cfg.dtype)
+            self.cloud, self.edge = load_pair(cfg.cloud, cfg.edge, cfg.dtype, device=cfg.device)
         check_tokenizers(self.cloud.tokenizer, self.edge.tokenizer)
         self.link = Link(cfg.bandwidth_mbps, cfg.latency_ms)
         self.translators: dict[str, str] = {}
@@ -323,6 +324,18 @@ def check_resumable(out: Path, cfg: EvalConfig) -> None:
                           "pass another --out, or delete it to start over")
 
 
+def check_lengths(requests: list[Request], runner: Runner, cfg: EvalConfig) -> None:
+    """Before any forward: every request's system + user prompt + the longest continuation (answer or scored
+    reference) fits both models' context; else one line naming the request and both lengths."""
+    tok = runner.edge.tokenizer
+    tail = max(cfg.max_new_tokens, cfg.reference_tokens)
+    for req in requests:
+        n = len(tok(req.system, add_special_tokens=True)["input_ids"]) + len(tok(req.user, add_special_tokens=False)[
+            "input_ids"]) + tail
+        for m in (runner.cloud, runner.edge):
+            check_context(m.model.config, n, f"{req.id}: system + user prompt + {tail} continuation tokens")
+
+
 def run_eval(cfg: EvalConfig, progress=None, models=None) -> dict:
     """Run (resuming), then write summary.csv, report.md, plots and config.json into cfg.out."""
     cfg.validate()
@@ -340,6 +353,8 @@ def run_eval(cfg: EvalConfig, progress=None, models=None) -> dict:
     requests = {d: load_requests(d, runner.edge.tokenizer, cfg.limit, cfg.seed, getattr(cfg, f"{d}_source"),
                                  cfg.max_system_tokens, cfg.min_system_tokens, cfg.max_user_tokens,
                                  cfg.mmlu_subjects, cfg.sharegpt_offset, cfg.xsum_records) for d in cfg.datasets}
+    for d in cfg.datasets:
+        check_lengths(requests[d], runner, cfg)
     results = out / "results.jsonl"
     rows = read_results(results)
     if rows:  # rewrite without a torn line, so appends start on a fresh line

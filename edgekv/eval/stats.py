@@ -8,8 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-BOOTSTRAP_SAMPLES = 4000
-STATS = {"mean": lambda a: a.mean(axis=-1), "median": lambda a: np.median(a, axis=-1)}
+from edgekv.summary import BOOTSTRAP_SAMPLES, bootstrap_ci  # noqa: F401 (re-exported)
 
 
 def cell_seed(seed: int, *names: str) -> int:
@@ -17,20 +16,6 @@ def cell_seed(seed: int, *names: str) -> int:
     merged report reproduces an unsharded one."""
     digest = hashlib.sha256("\x1f".join([str(seed), *names]).encode()).digest()
     return int.from_bytes(digest[:8], "little")
-
-
-def bootstrap_ci(values: Sequence[float], stat: str = "mean", seed: int = 0, level: float = 0.95,
-                 samples: int = BOOTSTRAP_SAMPLES) -> tuple[float | None, float | None]:
-    """Percentile bootstrap interval of `stat` over the values (resampled with replacement); (None, None) for
-    fewer than two values, where resampling says nothing."""
-    x = np.asarray([v for v in values if v is not None], dtype=np.float64)
-    if x.size < 2:
-        return None, None
-    rng = np.random.default_rng(seed)
-    draws = STATS[stat](x[rng.integers(0, x.size, size=(samples, x.size))])
-    alpha = (1 - level) / 2
-    lo, hi = np.quantile(draws, [alpha, 1 - alpha])
-    return float(lo), float(hi)
 
 
 def paired_bootstrap(a: Sequence[float], b: Sequence[float], seed: int = 0,

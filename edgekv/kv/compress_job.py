@@ -33,8 +33,14 @@ from edgekv.kv.registry import (
 )
 from edgekv.kv.translators import Translator, split_by_text
 from edgekv.models.capture import capture
-from edgekv.models.loading import DTYPES, LoadedModel, check_tokenizers, load_model
-from edgekv.models.structure import attn_shape, rotary_cos_sin, split_heads
+from edgekv.models.loading import DTYPES, LoadedModel, check_tokenizers, load_pair, same_model
+from edgekv.models.structure import (
+    attn_shape,
+    check_context,
+    check_kv_reconstruction,
+    rotary_cos_sin,
+    split_heads,
+)
 from edgekv.progress import Steps
 from edgekv.summary import mean
 from edgekv.texts import load_text_file, read_system_prompt, sharegpt_texts
@@ -49,6 +55,7 @@ class CompressConfig:
     cloud: str = "default-cloud"
     edge: str = "default-edge"
     dtype: str = "bfloat16"
+    device: str = "cpu"  # cpu, cuda or auto (CUDA when torch sees one)
     device_map: str | None = None
     system_prompt: str | None = None  # the text, or @path of a UTF-8 file
     mapping: str | None = None  # mapping.json of `edgekv align`; None: uniform (heterogeneous) / identity (same)
@@ -419,18 +426,20 @@ def run_compress(cfg: CompressConfig, progress=None, models: tuple[LoadedModel, 
     prompt = read_system_prompt(cfg.system_prompt)
     timings: dict[str, float] = {}
     start = time.perf_counter()
-    same = cfg.cloud == cfg.edge
-    if models is not None:
-        cloud, edge = models
-    else:
-        edge = load_model(cfg.edge, cfg.dtype, cfg.device_map)
-        cloud = edge if same else load_model(cfg.cloud, cfg.dtype, cfg.device_map)
+    cloud, edge = models if models is not None else load_pair(cfg.cloud, cfg.edge, cfg.dtype, cfg.device_map,
+                                                              cfg.device)
+    same = same_model(cloud, edge)  # the same model under two names is still the exact same-model path
     check_tokenizers(cloud.tokenizer, edge.tokenizer)
     cfg = resolve_splice(cfg, cloud, edge, same)
     timings["load_s"] = time.perf_counter() - start
     ids = torch.tensor(edge.tokenizer(prompt, add_special_tokens=True)["input_ids"], dtype=torch.long)
     if ids.numel() == 0:
         raise EdgeKVError("the system prompt encodes to no tokens")
+    for m in {id(cloud): cloud, id(edge): edge}.values():
+        check_context(m.model.config, int(ids.numel()), "the system prompt")
+    reconstruction = None
+    if not same and "hidden_in" in TRANSLATORS[cfg.translator].features:  # KV rebuilt by the edge's own block
+        reconstruction = check_kv_reconstruction(edge.model, ids[:64])
     pairs, mapping_source = resolve_pairs(cfg, cloud.num_layers, edge.num_layers, same)
     if not pairs:
         raise EdgeKVError("no layer pairs to export (check --start-layer against the mapping)")
@@ -498,6 +507,8 @@ def run_compress(cfg: CompressConfig, progress=None, models: tuple[LoadedModel, 
         "mean_attn_error_total": mean([r["attn_error_total"] for r in rows]),
         "timings": timings, "config": to_dict(cfg),
     }
+    if reconstruction is not None:  # the edge's KV rebuilt from its own hidden states: the structure check
+        report["kv_reconstruction_max_rel_error"] = reconstruction
     if not same:
         report["translator"] = manifest["translator"]
         for key in ("r2_k", "r2_v", "r2_hidden"):

@@ -37,6 +37,7 @@ from edgekv.kv.distill import (
 from edgekv.kv.export import token_ids_sha256, tokenizer_fingerprint, write_export
 from edgekv.kv.train_loop import Trainee, example_index, train_loop
 from edgekv.models.loading import DTYPES, LoadedModel, check_tokenizers, load_model
+from edgekv.models.structure import context_limit
 from edgekv.plots import loss_curve
 from edgekv.progress import Steps
 from edgekv.texts import read_system_prompt
@@ -62,6 +63,7 @@ class DistillConfig:
     cloud: str = "default-cloud"
     edge: str = "default-edge"
     dtype: str = "bfloat16"
+    device: str = "cpu"  # cpu, cuda or auto (CUDA when torch sees one)
     system_prompt: str | None = None  # TEXT or @FILE (one prompt, folder `prompt`)
     prompts: str | None = None  # JSONL of {"name", "system_prompt"} (one folder per name)
     synthetic_dir: str | None = None  # a root kept apart (<root>/<name>/synthetic.*): runs of one teacher share it
@@ -140,10 +142,6 @@ def student_length(cfg: DistillConfig, n: int) -> int:
     return n if cfg.length is None else cfg.length
 
 
-def _context(model: LoadedModel) -> int:
-    return int(getattr(model.model.config, "max_position_embeddings", 2048))
-
-
 def _synthetic(cfg: DistillConfig, teacher: LoadedModel, ids: torch.Tensor, work: Path,
                steps: Steps) -> tuple[list[Sample], dict]:
     """The synthetic set with its targets: read back when this teacher made it before, else made and kept."""
@@ -187,9 +185,9 @@ def distill_one(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, nam
     need = ids.numel() + max(len(edge.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in cfg.instructions) \
         + cfg.max_answer_tokens
     for who in {id(edge): edge, id(teacher): teacher}.values():
-        if need > _context(who):
+        if need > context_limit(who.model.config):
             raise EdgeKVError(f"{name}: system prompt + instruction + answer = {need} tokens exceeds {who.spec}'s "
-                              f"context of {_context(who)}")
+                              f"context of {context_limit(who.model.config)} tokens")
     keep = student_length(cfg, ids.numel())
     if keep > ids.numel():
         raise EdgeKVError(f"{name}: --length {keep} is beyond the system prompt's {ids.numel()} tokens")
@@ -296,8 +294,8 @@ def run_distill(cfg: DistillConfig, progress=None, models: tuple[LoadedModel, Lo
     if models is not None:
         cloud, edge = models
     else:
-        edge = load_model(cfg.edge, cfg.dtype)
-        cloud = load_model(cfg.cloud, cfg.dtype) if cfg.teacher == "cloud" else None
+        edge = load_model(cfg.edge, cfg.dtype, device=cfg.device)
+        cloud = load_model(cfg.cloud, cfg.dtype, device=cfg.device) if cfg.teacher == "cloud" else None
     teacher = edge if cfg.teacher == "self" else cloud
     check_tokenizers(teacher.tokenizer, edge.tokenizer)
     out = Path(cfg.out)

@@ -47,6 +47,7 @@ class TrainFuserConfig:
     cloud: str = "default-cloud"
     edge: str = "default-edge"
     dtype: str = "bfloat16"
+    device: str = "cpu"  # cpu, cuda or auto (CUDA when torch sees one)
     gate: str = "fuse-bias"
     self_fuse: bool = False  # edge → edge: the adapter-only control
     mapping: str | None = None  # mapping.json of `edgekv align`; None: `strategy` from `start_layer`
@@ -142,8 +143,8 @@ def run_train_fuser(cfg: TrainFuserConfig, progress=None) -> dict:
     cfg.validate()
     out = Path(cfg.out)
     steps = Steps(progress)
-    edge = load_model(cfg.edge, cfg.dtype)
-    teacher = load_model(cfg.cloud, cfg.dtype)  # the target is always the cloud's distribution
+    edge = load_model(cfg.edge, cfg.dtype, device=cfg.device)
+    teacher = load_model(cfg.cloud, cfg.dtype, device=cfg.device)  # the target is always the cloud's distribution
     cloud = edge if cfg.self_fuse else teacher  # where the fused KV comes from
     check_tokenizers(teacher.tokenizer, edge.tokenizer)
     pairs = layer_pairs(cfg, cloud.num_layers, edge.num_layers)

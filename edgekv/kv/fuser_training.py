@@ -33,6 +33,7 @@ from edgekv.kv.train_loop import Trainee, example_index, train_loop
 from edgekv.kv.translators import HiddenTranslator
 from edgekv.models.capture import capture
 from edgekv.models.structure import KVPair
+from edgekv.summary import bootstrap_ci
 from edgekv.texts import HeldOutText
 
 
@@ -195,13 +196,19 @@ def loss(edge, fuser: Fuser, ex: FuseExample, ce_weight: float = 0.0) -> torch.T
 
 
 @torch.no_grad()
-def evaluate(edge, fuser: Fuser, examples: list[FuseExample], layers: list[int] | None) -> dict[str, float]:
-    """Mean top-k KL to the cloud and NLL of the text over `examples` with the segments of `layers`."""
+def per_text(edge, fuser: Fuser, examples: list[FuseExample], layers: list[int] | None) -> tuple[list, list]:
+    """Top-k KL to the cloud and NLL of the text, one of each per example, with the segments of `layers`."""
     kl, nl = [], []
     for ex in examples:
         logits = fused_logits(edge, fuser, ex, layers)
         kl.append(float(topk_kl(logits, ex.top_ids, ex.top_logp)))
         nl.append(float(nll(logits, ex)))
+    return kl, nl
+
+
+def evaluate(edge, fuser: Fuser, examples: list[FuseExample], layers: list[int] | None) -> dict[str, float]:
+    """Mean top-k KL to the cloud and NLL of the text over `examples` with the segments of `layers`."""
+    kl, nl = per_text(edge, fuser, examples, layers)
     return {"kl": sum(kl) / len(kl), "nll": sum(nl) / len(nl)}
 
 
@@ -225,23 +232,33 @@ def train(edge, fuser: Fuser, examples: list[FuseExample], held_out: list[FuseEx
     return train_loop(trainee, steps, lr, checkpoint, every, on_step, stop)
 
 
+GATE_LEVEL = 0.90  # two-sided 90 % interval: its lower end is a one-sided 95 % bound
+
+
 @torch.no_grad()
 def choose_gates(edge, fuser: Fuser, held_out: list[FuseExample], margin: float = 0.0,
                  max_open: int | None = None) -> dict:
     """Hard gates by held-out NLL of the text: from all trained layers open, close each layer whose closing
     (leave-one-out) lowers the NLL; with `max_open`, keep only that many, those whose closing costs most (a
-    byte budget: a closed layer ships nothing). Keep the result only if it beats every gate closed by more than
-    `margin` nats/token, else close all. Sets `fuser`'s open layers; returns the evidence."""
+    byte budget: a closed layer ships nothing). Keep the result only if its held-out gain over every gate closed
+    clears noise: the mean gain exceeds `margin` nats/token and the one-sided 95 % lower bound of a paired
+    bootstrap over the held-out texts (`GATE_LEVEL`) is above zero; else close all. Sets `fuser`'s open layers;
+    returns the evidence."""
     layers = sorted(fuser.info)
-    closed = evaluate(edge, fuser, held_out, [])["nll"]
+    closed_texts = per_text(edge, fuser, held_out, [])[1]
+    closed = sum(closed_texts) / len(closed_texts)
     everything = evaluate(edge, fuser, held_out, layers)["nll"]
     loo = {i: evaluate(edge, fuser, held_out, [j for j in layers if j != i])["nll"] for i in layers}
     chosen = [i for i in layers if loo[i] >= everything]
     if max_open is not None and len(chosen) > max_open:
         chosen = sorted(sorted(chosen, key=lambda i: -loo[i])[:max_open])
-    chosen_nll = evaluate(edge, fuser, held_out, chosen)["nll"] if chosen else closed
-    if chosen_nll > closed - margin:
+    chosen_texts = per_text(edge, fuser, held_out, chosen)[1] if chosen else closed_texts
+    chosen_nll = sum(chosen_texts) / len(chosen_texts)
+    gains = [c - o for c, o in zip(closed_texts, chosen_texts)]
+    lower, _ = bootstrap_ci(gains, "mean", seed=0, level=GATE_LEVEL)
+    if not chosen or closed - chosen_nll <= margin or lower is None or lower <= 0:
         chosen, chosen_nll = [], closed
     fuser.set_open(chosen)
     return {"closed_nll": closed, "all_open_nll": everything, "leave_one_out_nll": {str(i): v for i, v in loo.items()},
-            "open": chosen, "chosen_nll": chosen_nll, "texts": len(held_out)}
+            "open": chosen, "chosen_nll": chosen_nll, "texts": len(held_out), "gain_lower_bound": lower,
+            "gain_level": "one-sided 95 % (paired bootstrap over held-out texts)"}

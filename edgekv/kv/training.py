@@ -16,8 +16,9 @@ import torch
 from edgekv.attention.prefix_kv import PrefixKV, continuation_logits
 from edgekv.kv.registry import load_translator, save_translator
 from edgekv.kv.train_loop import Trainee, example_index, train_loop
-from edgekv.kv.translators import TrainedTranslator, kv_from_hidden
+from edgekv.kv.translators import TrainedTranslator
 from edgekv.models.capture import capture
+from edgekv.models.structure import kv_from_hidden
 from edgekv.texts import HeldOutText
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from edgekv import EdgeKVError
-from edgekv.models.structure import KVPair, apply_rotary, attn_shape, decoder_layers, split_heads
+from edgekv.models.structure import KVPair, apply_rotary, attn_shape, kv_from_hidden, split_heads
 
 ALPHAS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # relative to the mean eigenvalue of XᵀX
 
@@ -104,29 +104,6 @@ def register_translator(name: str):
         return cls
 
     return deco
-
-
-def _attn_norm(layer: torch.nn.Module) -> torch.nn.Module:
-    for name in ("input_layernorm", "self_attn_layer_norm"):
-        if hasattr(layer, name):
-            return getattr(layer, name)
-    raise ValueError(f"cannot find the pre-attention norm of {type(layer).__name__}")
-
-
-def kv_from_hidden(model: torch.nn.Module, layer_index: int, hidden: torch.Tensor, start: int = 0) -> KVPair:
-    """The K (rotated at positions start..) and V a model's layer makes from its input hidden states (tokens, d).
-
-    Differentiable in `hidden` (the trained translator learns through it); callers choose no_grad."""
-    layer = decoder_layers(model)[layer_index]
-    attn = layer.self_attn
-    weight = attn.k_proj.weight
-    h = _attn_norm(layer)(hidden.to(weight.dtype)[None])[0]
-    _, kv_heads, _ = attn_shape(model)
-    keys = split_heads(attn.k_proj(h).float(), kv_heads)
-    if hasattr(attn, "k_norm"):  # Qwen3-style per-head key norm, before rotary
-        keys = attn.k_norm(keys.to(weight.dtype)).float()
-    values = split_heads(attn.v_proj(h).float(), kv_heads)
-    return apply_rotary(model, keys, start), values
 
 
 class Translator(ABC):

@@ -112,7 +112,7 @@ def _capture(model, sequences, features, select, on_text, on_output, chunks, hoo
                 for i in range(num_layers):
                     chunks[name][i].append(_flatten_heads(_queries(model, query_out[i], rotate))[keep])
         if need_cache:
-            cache = out.past_key_values
+            cache = out.cache
             positions = torch.arange(seq.numel(), device=device)[None]
             for i in range(num_layers):
                 keys, values = cache.layers[i].keys, cache.layers[i].values

@@ -169,6 +169,10 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+_DIR_IDENTITY = ("config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                 "tokenizer.model")
+
+
 def _fingerprint(spec: str, source: str, model: torch.nn.Module) -> str:
     """Weights fingerprint: the GGUF sha256 (defaults, .gguf files), or the sha256 of a directory's weight files,
     or hub id + commit; a KV export records it so the edge can refuse a cache made for another model."""
@@ -177,8 +181,9 @@ def _fingerprint(spec: str, source: str, model: torch.nn.Module) -> str:
         return "gguf-sha256:" + DEFAULT_MODELS[spec].sha256
     if kind == "gguf":
         return "gguf-sha256:" + _file_sha256(Path(where))
-    if kind == "dir":
-        files = sorted(p for p in Path(where).iterdir() if p.suffix in (".safetensors", ".bin", ".pt"))
+    if kind == "dir":  # weights, and the config and tokenizer that say how to read them
+        files = sorted(p for p in Path(where).iterdir()
+                       if p.suffix in (".safetensors", ".bin", ".pt") or p.name in _DIR_IDENTITY)
         digest = hashlib.sha256()
         for f in files:
             digest.update(f"{f.name}:{_file_sha256(f)}\n".encode())
@@ -241,18 +246,59 @@ def num_layers(spec: str) -> int:
     return _from_pretrained(spec, AutoConfig)[0].num_hidden_layers
 
 
-def load_model(spec: str, dtype: str = "bfloat16", device_map: str | None = None) -> LoadedModel:
-    """Load a causal LM and its tokenizer from an alias, a .gguf file, a local directory or a hub id."""
+DEVICES = ("cpu", "cuda", "auto")
+
+
+def resolve_device(device: str | None) -> str:
+    """`cpu`, `cuda` (or `cuda:N`), or `auto` (CUDA when torch sees a GPU); a one-line error for anything else."""
+    device = device or "cpu"
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device != "cpu" and not device.startswith("cuda"):
+        raise EdgeKVError(f"unknown device '{device}' (choose from {', '.join(DEVICES)}, or cuda:N)")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise EdgeKVError(f"--device {device}: torch sees no CUDA GPU here (torch {torch.__version__})")
+    return device
+
+
+def load_model(spec: str, dtype: str = "bfloat16", device_map: str | None = None,
+               device: str | None = None) -> LoadedModel:
+    """Load a causal LM and its tokenizer from an alias, a .gguf file, a local directory or a hub id, onto
+    `device` (cpu, cuda, auto) or sharded by an accelerate `device_map`."""
     from transformers import AutoModelForCausalLM
 
     kwargs: dict = {"dtype": parse_dtype(dtype)}
+    target = resolve_device(device)
     if device_map:
         kwargs["device_map"] = device_map
     model, r = _from_pretrained(spec, AutoModelForCausalLM, **kwargs)
     model.hf_quantizer = None  # a GGUF load is dequantized into plain tensors
+    if not device_map and target != "cpu":
+        model.to(target)
     model.eval()
     return LoadedModel(spec=spec, model=model, tokenizer=load_tokenizer(spec), source=r.source,
                        fingerprint=_fingerprint(spec, r.source, model))
+
+
+def same_model(a: LoadedModel, b: LoadedModel) -> bool:
+    """One model, whatever strings named it: the same weights fingerprint (resolved source, weight files,
+    config and tokenizer files)."""
+    return a is b or a.fingerprint == b.fingerprint
+
+
+def load_pair(cloud: str, edge: str, dtype: str = "bfloat16", device_map: str | None = None,
+              device: str | None = None) -> tuple[LoadedModel, LoadedModel]:
+    """(cloud, edge), loaded once when both name the same model (`cloud is edge` then): `dir/` and an absolute
+    path to it, or two copies of the same files, are the same model."""
+    edge_m = load_model(edge, dtype, device_map, device)
+    try:
+        same_source = _resolve(cloud).source == _resolve(edge).source
+    except EdgeKVError:
+        same_source = False
+    if same_source:
+        return edge_m, edge_m
+    cloud_m = load_model(cloud, dtype, device_map, device)
+    return (edge_m, edge_m) if same_model(cloud_m, edge_m) else (cloud_m, edge_m)
 
 
 PROBE_TEXT = (
@@ -267,11 +313,13 @@ def check_tokenizers(a: object, b: object, probe: str = PROBE_TEXT) -> None:
     if va != vb:
         only = len(set(va.items()) ^ set(vb.items()))
         raise EdgeKVError(
-            f"incompatible tokenizers: vocabularies differ ({len(va)} vs {len(vb)} tokens, {only} entries differ)"
+            f"incompatible tokenizers: vocabularies differ ({type(a).__name__} with {len(va)} vs "
+            f"{type(b).__name__} with {len(vb)} tokens, {only} entries differ)"
         )
     ids_a, ids_b = a.encode(probe), b.encode(probe)
     if ids_a != ids_b:
-        raise EdgeKVError("incompatible tokenizers: the same probe text encodes to different ids")
+        raise EdgeKVError(f"incompatible tokenizers: the same probe text encodes to different ids "
+                          f"({type(a).__name__} vs {type(b).__name__})")
 
 
 def eos_ids(edge: LoadedModel) -> set[int]:

@@ -1,12 +1,16 @@
 """Model structure helpers: where the decoder blocks are, attention head shapes, rotary embeddings.
 
 Translators, the KV decoder and the capture code all need to know how a model lays out its attention; this is
-the one place that knows it (Llama/Qwen rotate-half rotary; OPT has none).
+the one place that knows it (Llama/Qwen/Gemma rotate-half rotary; OPT has none; OPT-350m's blocks normalise
+after attention). A block this module does not know how to read is refused by name, never approximated:
+`check_kv_reconstruction` compares what it rebuilds with the model's own KV.
 """
 
 from __future__ import annotations
 
 import torch
+
+from edgekv import EdgeKVError
 
 KVPair = tuple[torch.Tensor, torch.Tensor]  # one layer's keys and values, (…, kv_heads, tokens, head_dim)
 
@@ -82,3 +86,92 @@ def apply_rotary(model: torch.nn.Module, keys: torch.Tensor, start: int = 0) -> 
     positions = torch.arange(start, start + keys.shape[1])[None]
     cs = rotary_cos_sin(model, positions, keys[None].float())
     return keys if cs is None else rotate_keys(keys[None].float(), *cs)[0]
+
+
+def attention_input_norm(layer: torch.nn.Module) -> torch.nn.Module | None:
+    """The norm a block applies to its input before attention, or None when it applies none: OPT-350m-style
+    post-LN blocks (`do_layer_norm_before=False`) feed the raw residual stream to k_proj/v_proj."""
+    if getattr(layer, "do_layer_norm_before", True) is False:
+        return None
+    for name in ("input_layernorm", "self_attn_layer_norm"):
+        if hasattr(layer, name):
+            return getattr(layer, name)
+    raise EdgeKVError(f"edgekv does not know how a {type(layer).__name__} block makes its KV (no pre-attention "
+                      "norm it recognises); refused rather than approximated")
+
+
+def kv_from_hidden(model: torch.nn.Module, layer_index: int, hidden: torch.Tensor, start: int = 0) -> KVPair:
+    """The K (rotated at positions start..) and V a model's layer makes from its input hidden states (tokens, d).
+
+    Differentiable in `hidden` (the trained translator learns through it); callers choose no_grad."""
+    layer = decoder_layers(model)[layer_index]
+    attn = layer.self_attn
+    if not (hasattr(attn, "k_proj") and hasattr(attn, "v_proj")):
+        raise EdgeKVError(f"edgekv does not know how a {type(attn).__name__} makes its KV (no k_proj/v_proj: "
+                          "fused projections are not supported); refused rather than approximated")
+    weight = attn.k_proj.weight
+    norm = attention_input_norm(layer)
+    h = hidden.to(weight.dtype)
+    h = h if norm is None else norm(h[None])[0]
+    _, kv_heads, _ = attn_shape(model)
+    keys = split_heads(attn.k_proj(h).float(), kv_heads)
+    if hasattr(attn, "k_norm"):  # Qwen3/Gemma3-style per-head key norm, before rotary
+        keys = attn.k_norm(keys.to(weight.dtype)).float()
+    values = split_heads(attn.v_proj(h).float(), kv_heads)
+    return apply_rotary(model, keys, start), values
+
+
+def kv_reconstruction_error(model: torch.nn.Module, ids: torch.Tensor) -> list[float]:
+    """Per layer, the relative error max|K̂−K|/max|K| (and the same for V, whichever is larger) of the KV that
+    `kv_from_hidden` rebuilds from each block's captured input against the model's own cache on `ids`."""
+    layers = decoder_layers(model)
+    inputs: list[torch.Tensor] = []
+    hooks = [layer.register_forward_pre_hook(
+        lambda m, args, kwargs: inputs.append(args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
+        for layer in layers]
+    device = next(model.parameters()).device
+    try:
+        with torch.no_grad():
+            cache = model(input_ids=ids[None].to(device), use_cache=True).cache
+    finally:
+        for h in hooks:
+            h.remove()
+    errors = []
+    with torch.no_grad():
+        for i, layer_cache in enumerate(cache.layers):
+            keys, values = kv_from_hidden(model, i, inputs[i][0])
+            pairs = ((keys, layer_cache.keys[0]), (values, layer_cache.values[0]))
+            errors.append(max(float((a - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
+                              for a, b in pairs))
+    return errors
+
+
+def check_kv_reconstruction(model: torch.nn.Module, ids: torch.Tensor, tol: float | None = None) -> float:
+    """Refuse (one line, naming the block) a model whose KV this module cannot rebuild from hidden states;
+    returns the worst relative error. `tol` defaults by dtype (float32 1e-4, else 5e-2)."""
+    if tol is None:
+        tol = 1e-4 if next(model.parameters()).dtype == torch.float32 else 5e-2
+    errors = kv_reconstruction_error(model, ids)
+    worst = max(range(len(errors)), key=errors.__getitem__)
+    if errors[worst] > tol:
+        block = type(decoder_layers(model)[worst]).__name__
+        raise EdgeKVError(f"edgekv rebuilds {block} KV wrongly (layer {worst}: relative error {errors[worst]:.2g} > "
+                          f"{tol:g}); this block structure is not supported")
+    return errors[worst]
+
+
+def context_limit(config) -> int:
+    """Tokens the model can attend over: `max_position_embeddings`, or a smaller sliding window when one is on
+    (spliced prefixes assume every token sees the whole prompt)."""
+    limit = int(getattr(config, "max_position_embeddings", None) or 2048)
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) is not False:
+        limit = min(limit, int(window))
+    return limit
+
+
+def check_context(config, tokens: int, what: str) -> None:
+    """One-line error when `tokens` exceed the model's context limit, naming both numbers."""
+    limit = context_limit(config)
+    if tokens > limit:
+        raise EdgeKVError(f"{what} = {tokens} tokens exceeds the model's context of {limit} tokens")

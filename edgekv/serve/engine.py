@@ -386,12 +386,12 @@ class Engine:
 
         if self.relay:
             batch = RelayBatch(shared, [q.own for q, _ in work], q_lens, s.segments)
-            logits = self.model(input_ids=ids, past_key_values=relay_cache(batch, s.num_layers, s.prefix_len),
+            logits = self.model(input_ids=ids, cache=relay_cache(batch, s.num_layers, s.prefix_len),
                                 position_ids=positions, use_cache=True, logits_to_keep=torch.tensor(keep),
                                 relay=batch).logits[0]
         else:  # one request over its own cache of the system KV (waits are counted by the cache itself)
             last_only = keep == [ids.shape[1] - 1]
-            logits = self.model(input_ids=ids, past_key_values=work[0][0].cache, position_ids=positions,
+            logits = self.model(input_ids=ids, cache=work[0][0].cache, position_ids=positions,
                                 use_cache=True, logits_to_keep=1 if last_only else torch.tensor(keep),
                                 **s.attention_kwargs()).logits[0]
         self.stats["batched_tokens"] += ids.shape[1]

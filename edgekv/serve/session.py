@@ -14,6 +14,7 @@ import torch
 from edgekv import EdgeKVError
 from edgekv.attention.prefix_kv import continuation_nll
 from edgekv.models.loading import LoadedModel, eos_ids
+from edgekv.models.structure import check_context, context_limit
 from edgekv.serve.engine import Engine, GenRequest, Result, SamplingParams
 from edgekv.serve.pipeline import Link
 from edgekv.serve.system_kv import SystemKV
@@ -62,15 +63,13 @@ class EdgeSession:
 
     @property
     def max_context(self) -> int:
-        """The model's context length."""
-        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+        """The model's context length (`max_position_embeddings`, or a smaller sliding window)."""
+        return context_limit(self.model.config)
 
     def check_fits(self, user_tokens: int, max_new_tokens: int) -> None:
         """One-line error when system + user prompt + max_tokens exceed the model's context."""
-        total = self.system.next_position + user_tokens + max_new_tokens
-        if total > self.max_context:
-            raise EdgeKVError(f"system + user prompt + max_tokens = {total} tokens exceeds the model's context of "
-                              f"{self.max_context}")
+        check_context(self.model.config, self.system.next_position + user_tokens + max_new_tokens,
+                      "system + user prompt + max_tokens")
 
     def complete(self, prompt: str | torch.Tensor, params: SamplingParams | None = None) -> Result:
         """Answer one user prompt on the shared system KV (the engine, inline, batch of one)."""

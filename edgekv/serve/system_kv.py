@@ -36,7 +36,7 @@ from edgekv.kv.export import (
 )
 from edgekv.kv.fusers import Fuser
 from edgekv.models.loading import LoadedModel
-from edgekv.models.structure import KVPair, attn_shape, decoder_layers
+from edgekv.models.structure import KVPair, attn_shape, check_context, decoder_layers
 from edgekv.serve.pipeline import Fallback, LayerLoader, Link, events_as_dicts
 
 log = logging.getLogger("edgekv")
@@ -78,6 +78,7 @@ class SystemKV(PrefixKV):
         self.prefix_len = int(manifest.get("kv_tokens", self.system_ids.numel()))
         self.next_position = int(manifest.get("next_position", self.prefix_len))
         self.distilled = "distilled" in manifest
+        check_context(self.model.config, max(self.next_position, self.prefix_len), "the system prompt")
         self.splice = self.export.manifest.get("splice", "replace") if self.export is not None else "replace"
         if self.splice == "fuse":
             self._build_fused()
