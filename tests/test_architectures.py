@@ -213,6 +213,21 @@ def test_every_command_runs_on_the_pair(models, calib, name, tmp_path):
     assert all(r.get("error") is None and r["ref_nll"] is not None for r in rows)
 
 
+@pytest.mark.parametrize("family, message", [("gpt2", "cannot find the decoder layers of GPT2LMHeadModel"),
+                                             ("phi", "PhiForCausalLM: partial rotary (partial_rotary_factor = 0.5)")])
+def test_a_family_edgekv_cannot_read_is_refused_in_one_line(family, message, tmp_path):
+    import transformers as T
+
+    cfg = (T.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=4) if family == "gpt2" else
+           T.PhiConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, partial_rotary_factor=0.5))
+    path = save_model(T.AutoModelForCausalLM.from_config(cfg), byte_tokenizer(), tmp_path / family)
+    result = runner.invoke(app, ["compress", "--cloud", path, "--edge", path, "--system-prompt", SYSTEM, "--out",
+                                 str(tmp_path / "kv"), "--dtype", "float32"])
+    assert result.exit_code == 1 and "Traceback" not in result.output and message in result.output
+    assert not (tmp_path / "kv").exists()
+
+
 # ------------------------------------------------------------------------------------------- context limits
 
 LONG = "word " * 130  # 650 byte tokens: beyond the tiny models' 512 positions

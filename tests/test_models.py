@@ -48,7 +48,8 @@ def test_missing_part_package(tmp_path):
 
 def test_tokenizer_check():
     check_tokenizers(byte_tokenizer(), byte_tokenizer())
-    with pytest.raises(EdgeKVError, match="incompatible tokenizers"):
+    with pytest.raises(EdgeKVError, match="incompatible tokenizers: vocabularies differ \\(TokenizersBackend "
+                                          "with 256 vs TokenizersBackend with 256 tokens"):
         check_tokenizers(byte_tokenizer(), byte_tokenizer(permute=True))
 
 

@@ -43,8 +43,9 @@ def segment_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.to(dtype)
     elif causal and query.shape[-2] > 1:
         t, s = query.shape[-2], k.shape[-2]
-        visible = torch.arange(s)[None, :] <= torch.arange(s - t, s)[:, None]
-        scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
+        at = torch.arange(s, device=scores.device)
+        visible = at[None, :] <= at[s - t:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     return torch.softmax(scores, dim=-1) @ v, lse
 
@@ -69,7 +70,7 @@ def _additive_mask(visible: torch.Tensor, dtype: torch.dtype, groups: int, reuse
     last = _LAST_MASK  # one read: another thread may replace it meanwhile
     if reuse and last[0] is visible and last[1] == (dtype, groups):
         return last[2]
-    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
     if groups > 1 and mask.shape[-2] > 1:
         mask = mask.repeat(1, 1, groups, 1)
     if reuse:
@@ -92,14 +93,14 @@ def fast_segment_attention(query: torch.Tensor, keys: torch.Tensor, values: torc
     b, h, t, d = query.shape
     kv_heads, s = keys.shape[1], keys.shape[-2]
     if s == 0 or t == 0:  # no keys (an empty system prompt): weight 0 in the merge; the kernel would trap
-        return query.new_zeros(b, h, t, values.shape[-1]), torch.full((b, h, t), float("-inf"))
+        return query.new_zeros(b, h, t, values.shape[-1]), query.new_full((b, h, t), float("-inf"), dtype=torch.float32)
     groups = h // kv_heads
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     visible, reuse = valid, valid is not None and valid.dim() == 4
     if visible is not None and visible.dim() < 4:
         visible = visible[(None,) * (4 - visible.dim())]
     if causal and t > 1:
-        tri = torch.arange(s)[None, :] <= torch.arange(s - t, s)[:, None]
+        tri = torch.arange(s, device=query.device)[None, :] <= torch.arange(s - t, s, device=query.device)[:, None]
         visible, reuse = (tri[None, None] if visible is None else visible & tri), False
     if visible is not None and visible.dim() == 4 and visible.shape[1] != 1:  # a mask per head: no folding
         mask = _additive_mask(visible, query.dtype, 1, False)

@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
-from edgekv.models.structure import KVPair, decoder_layers
+from edgekv.models.structure import KVPair, decoder_layers, model_device
 
 
 class _StopForward(Exception):
@@ -40,7 +40,7 @@ def prefix_kv(model: torch.nn.Module, ids: torch.Tensor, layers: int | None = No
 
     handle = blocks[n - 1].register_forward_hook(stop) if n < len(blocks) else None
     try:
-        model(input_ids=ids[None], cache=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids[None].to(model_device(model)), cache=cache, use_cache=True, logits_to_keep=1)
     except _StopForward:
         pass
     finally:
@@ -187,8 +187,9 @@ class PrefixKV(Cache):
 def continuation_logits(model: torch.nn.Module, prefix: PrefixKV, ids: torch.Tensor) -> torch.Tensor:
     """The model's logits (T, vocab) at each of `ids` read after `prefix` (positions from its `next_position`);
     differentiable in the prefix's tensors (callers choose no_grad)."""
-    positions = torch.arange(prefix.next_position, prefix.next_position + ids.numel())[None]
-    return model(input_ids=ids[None], cache=prefix.request_cache(), position_ids=positions,
+    device = model_device(model)
+    positions = torch.arange(prefix.next_position, prefix.next_position + ids.numel(), device=device)[None]
+    return model(input_ids=ids[None].to(device), cache=prefix.request_cache(), position_ids=positions,
                  use_cache=True, **prefix.attention_kwargs()).logits[0]
 
 
@@ -196,4 +197,5 @@ def continuation_nll(model: torch.nn.Module, prefix: PrefixKV, user: torch.Tenso
                      continuation: torch.Tensor) -> torch.Tensor:
     """Mean NLL (nats/token) of `continuation` after `user`, both read after `prefix`."""
     logits = continuation_logits(model, prefix, torch.cat([user, continuation[:-1]]))[user.numel() - 1:]
-    return -torch.log_softmax(logits.float(), dim=-1).gather(-1, continuation[:, None]).mean()
+    target = continuation[:, None].to(logits.device)
+    return -torch.log_softmax(logits.float(), dim=-1).gather(-1, target).mean()

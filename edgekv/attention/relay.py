@@ -47,8 +47,9 @@ class RelayBatch:
         """The decode rows' mask over their own KV padded to the longest, (B1, 1, 1, L): made at the first layer's
         attention (after its append) and the same at every layer, since each layer appends the same tokens."""
         if self._mask is None:
-            lengths = torch.tensor([self.own[b][0].shape[-2] for b in self.decode])
-            self._mask = (torch.arange(int(lengths.max()))[None, :] < lengths[:, None])[:, None, None, :]
+            device = self.own[self.decode[0]][0].device
+            lengths = torch.tensor([self.own[b][0].shape[-2] for b in self.decode], device=device)
+            self._mask = (torch.arange(int(lengths.max()), device=device)[None, :] < lengths[:, None])[:, None, None, :]
             self.rows = torch.tensor([self.starts[b] for b in self.decode])
         return self._mask
 

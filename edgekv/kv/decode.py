@@ -9,7 +9,7 @@ import torch
 from edgekv.kv.codecs import Quantized, dequantize
 from edgekv.kv.export import KVExport, KVStoreError
 from edgekv.kv.pruning import PrunedKeys
-from edgekv.models.structure import merge_heads
+from edgekv.models.structure import merge_heads, model_device
 
 SPACES = ("edge", "cloud-unrotated", "cloud-hidden")
 
@@ -71,8 +71,9 @@ def edge_kv(layer: DecodedLayer, edge_model: torch.nn.Module, translator=None) -
     """Full-width edge-space (keys, values), each (kv_heads, tokens, head_dim), rotated at positions 0..: pruned
     channels zero-filled; for exports whose translator runs on the edge, translated by the same `layer_kv` code
     that `edgekv compress` runs on the cloud."""
+    device = model_device(edge_model)  # the export is read on the CPU; the edge may run elsewhere
     if layer.space == "edge":
-        return layer.keys.zero_filled(), layer.values
+        return layer.keys.zero_filled().to(device), layer.values.to(device)
     if translator is None:
         raise KVStoreError(f"layer {layer.edge_layer} holds cloud-space data ({layer.space}) but no translator "
                            "was given")
@@ -81,4 +82,5 @@ def edge_kv(layer: DecodedLayer, edge_model: torch.nn.Module, translator=None) -
     else:
         features = {"k_unrot": merge_heads(layer.keys.zero_filled()), "v": merge_heads(layer.values)}
     with torch.no_grad():
-        return translator.layer_kv(edge_model, layer.edge_layer, features)
+        keys, values = translator.layer_kv(edge_model, layer.edge_layer, features)
+    return keys.to(device), values.to(device)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from edgekv import EdgeKVError
+from edgekv.models.structure import check_supported
 
 log = logging.getLogger("edgekv")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -273,6 +274,7 @@ def load_model(spec: str, dtype: str = "bfloat16", device_map: str | None = None
         kwargs["device_map"] = device_map
     model, r = _from_pretrained(spec, AutoModelForCausalLM, **kwargs)
     model.hf_quantizer = None  # a GGUF load is dequantized into plain tensors
+    check_supported(model)
     if not device_map and target != "cpu":
         model.to(target)
     model.eval()

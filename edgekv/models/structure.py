@@ -15,6 +15,11 @@ from edgekv import EdgeKVError
 KVPair = tuple[torch.Tensor, torch.Tensor]  # one layer's keys and values, (…, kv_heads, tokens, head_dim)
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where a model's weights (its first parameter) live: inputs go there, nothing moves per step."""
+    return next(model.parameters()).device
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """The rotate-half convention of Llama/Qwen rotary embeddings."""
     half = x.shape[-1] // 2
@@ -47,7 +52,7 @@ def rotary_cos_sin(model: torch.nn.Module, positions: torch.Tensor, like: torch.
     cos, sin = rotary(like, positions)
     head_dim = like.shape[-1]
     if cos.shape[-1] != head_dim:
-        raise ValueError(f"partial rotary (rotary dim {cos.shape[-1]} < head_dim {head_dim}) is not supported")
+        raise EdgeKVError(f"partial rotary (rotary dim {cos.shape[-1]} < head_dim {head_dim}) is not supported")
     return cos, sin
 
 
@@ -60,7 +65,8 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
             found = getattr(found, name, None)
         if isinstance(found, torch.nn.ModuleList):
             return found
-    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+    raise EdgeKVError(f"cannot find the decoder layers of {type(model).__name__} (model.layers or "
+                      "model.decoder.layers): this family is not supported")
 
 
 def attn_shape(model: torch.nn.Module) -> tuple[int, int, int]:
@@ -83,9 +89,25 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary(model: torch.nn.Module, keys: torch.Tensor, start: int = 0) -> torch.Tensor:
     """Rotate (heads, tokens, d) un-rotated keys with `model`'s rotary at positions start.. (identity without)."""
-    positions = torch.arange(start, start + keys.shape[1])[None]
+    positions = torch.arange(start, start + keys.shape[1], device=keys.device)[None]
     cs = rotary_cos_sin(model, positions, keys[None].float())
     return keys if cs is None else rotate_keys(keys[None].float(), *cs)[0]
+
+
+def check_supported(model: torch.nn.Module) -> None:
+    """Refuse, in one line naming what is missing, a model whose attention this module cannot read: fused QKV
+    projections (GPT-2, Falcon, Phi-3) or partial rotary (Phi-2, GPT-NeoX)."""
+    c = model.config
+    rope = getattr(c, "rope_parameters", None) or {}
+    factor = rope.get("partial_rotary_factor") or getattr(c, "partial_rotary_factor", None) or 1.0
+    if float(factor) < 1.0:
+        raise EdgeKVError(f"{type(model).__name__}: partial rotary (partial_rotary_factor = {factor}) is not "
+                          "supported")
+    attn = decoder_layers(model)[0].self_attn
+    missing = [n for n in ("q_proj", "k_proj", "v_proj") if not hasattr(attn, n)]
+    if missing:
+        raise EdgeKVError(f"{type(model).__name__}: its {type(attn).__name__} has no {'/'.join(missing)} (fused QKV "
+                          "projections are not supported)")
 
 
 def attention_input_norm(layer: torch.nn.Module) -> torch.nn.Module | None:
@@ -111,7 +133,7 @@ def kv_from_hidden(model: torch.nn.Module, layer_index: int, hidden: torch.Tenso
                           "fused projections are not supported); refused rather than approximated")
     weight = attn.k_proj.weight
     norm = attention_input_norm(layer)
-    h = hidden.to(weight.dtype)
+    h = hidden.to(device=weight.device, dtype=weight.dtype)
     h = h if norm is None else norm(h[None])[0]
     _, kv_heads, _ = attn_shape(model)
     keys = split_heads(attn.k_proj(h).float(), kv_heads)

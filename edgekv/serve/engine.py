@@ -28,7 +28,7 @@ import torch
 from edgekv import EdgeKVError
 from edgekv.attention.fuse import enable_fusion
 from edgekv.attention.relay import RelayBatch, relay_cache
-from edgekv.models.structure import attn_shape
+from edgekv.models.structure import attn_shape, model_device
 
 if TYPE_CHECKING:  # the session imports the engine (it decodes through it); the engine only reads a session
     from edgekv.serve.session import EdgeSession
@@ -221,7 +221,8 @@ class Engine:
         if relay:  # the attention function that also runs relay steps (a fuse SystemKV has enabled it already)
             enable_fusion(self.model)
         _, kv_heads, head_dim = attn_shape(self.model)
-        self._empty = torch.zeros(1, kv_heads, 0, head_dim, dtype=self.system.dtype)
+        self.device = model_device(self.model)
+        self._empty = torch.zeros(1, kv_heads, 0, head_dim, dtype=self.system.dtype, device=self.device)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.cv = threading.Condition()
@@ -368,14 +369,15 @@ class Engine:
 
     def _forward(self, work: list[tuple[Sequence, torch.Tensor]]) -> None:
         s = self.system
-        ids = torch.cat([t for _, t in work])[None]
-        positions = torch.cat([torch.arange(q.position, q.position + t.numel()) for q, t in work])[None]
+        ids = torch.cat([t for _, t in work])[None].to(self.device)
+        positions = torch.cat([torch.arange(q.position, q.position + t.numel()) for q, t in work])[None].to(self.device)
         q_lens = [t.numel() for _, t in work]
         scored = [self._wants_prompt_logits(seq) for seq, _ in work]  # echo + logprobs: every row of the chunk
         keep, end = [], 0  # packed rows whose logits are needed: each request's last row, or all of a scored chunk
         for n, all_rows in zip(q_lens, scored):
             end += n
             keep += list(range(end - n, end)) if all_rows else [end - 1]
+        keep_rows = torch.tensor(keep, device=self.device)
         waited = [0.0]
 
         def shared(i: int):
@@ -387,12 +389,12 @@ class Engine:
         if self.relay:
             batch = RelayBatch(shared, [q.own for q, _ in work], q_lens, s.segments)
             logits = self.model(input_ids=ids, cache=relay_cache(batch, s.num_layers, s.prefix_len),
-                                position_ids=positions, use_cache=True, logits_to_keep=torch.tensor(keep),
+                                position_ids=positions, use_cache=True, logits_to_keep=keep_rows,
                                 relay=batch).logits[0]
         else:  # one request over its own cache of the system KV (waits are counted by the cache itself)
             last_only = keep == [ids.shape[1] - 1]
             logits = self.model(input_ids=ids, cache=work[0][0].cache, position_ids=positions,
-                                use_cache=True, logits_to_keep=1 if last_only else torch.tensor(keep),
+                                use_cache=True, logits_to_keep=1 if last_only else keep_rows,
                                 **s.attention_kwargs()).logits[0]
         self.stats["batched_tokens"] += ids.shape[1]
         row = 0

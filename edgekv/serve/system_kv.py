@@ -36,7 +36,7 @@ from edgekv.kv.export import (
 )
 from edgekv.kv.fusers import Fuser
 from edgekv.models.loading import LoadedModel
-from edgekv.models.structure import KVPair, attn_shape, check_context, decoder_layers
+from edgekv.models.structure import KVPair, attn_shape, check_context, decoder_layers, model_device
 from edgekv.serve.pipeline import Fallback, LayerLoader, Link, events_as_dicts
 
 log = logging.getLogger("edgekv")
@@ -137,7 +137,7 @@ class SystemKV(PrefixKV):
             self.shallow = peer if peer is not None else prefix_kv(self.model, self.system_ids, self.start_layer)
         else:
             _, kv_heads, head_dim = attn_shape(self.model)
-            empty = torch.zeros(1, kv_heads, 0, head_dim, dtype=self.dtype)
+            empty = torch.zeros(1, kv_heads, 0, head_dim, dtype=self.dtype, device=model_device(self.model))
             self.shallow = [(empty, empty)] * self.num_layers
         self.timings = {"shallow_prefill_s": time.perf_counter() - start}
 
