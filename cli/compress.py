@@ -40,6 +40,7 @@ def compress(
     tar: Optional[bool] = typer.Option(None, "--tar/--no-tar", help="Write one .tar instead of a directory."),
     dtype: Optional[str] = typer.Option(None, help="bfloat16, float16 or float32 [bfloat16]."),
     device: Optional[str] = typer.Option(None, help="cpu, cuda or auto (CUDA when torch sees a GPU) [cpu]."),
+    weights: Optional[str] = typer.Option(None, help="The edge's linears: bf16, int8 or int4 (weight-only) [bf16]."),
     device_map: Optional[str] = typer.Option(None, help="accelerate device map for large models, e.g. auto."),
     seed: Optional[int] = typer.Option(None, help="Seed [0]."),
     config: Optional[Path] = typer.Option(None, help="YAML config (flags override it)."),
@@ -51,7 +52,7 @@ def compress(
                      translator_path=str(translator_path) if translator_path else None,
                      local_sink_tokens=local_sink_tokens, splice=splice,
                      calib=str(calib) if calib else None, calib_texts=calib_texts, calib_tokens=calib_tokens,
-                     tar=tar, dtype=dtype, device=device, device_map=device_map, seed=seed)
+                     tar=tar, dtype=dtype, device=device, weights=weights, device_map=device_map, seed=seed)
     cfg = load_config(CompressConfig, "compress", config, overrides)
     with progress_bar() as progress:
         report = run_compress(cfg, progress)

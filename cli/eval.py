@@ -20,6 +20,7 @@ def eval_(
     edge: Optional[str] = typer.Option(None, help="Edge model [default-edge]."),
     dtype: Optional[str] = typer.Option(None, help="bfloat16, float16 or float32 [bfloat16]."),
     device: Optional[str] = typer.Option(None, help="cpu, cuda or auto (CUDA when torch sees a GPU) [cpu]."),
+    weights: Optional[str] = typer.Option(None, help="The edge's linears: bf16, int8 or int4 (weight-only) [bf16]."),
     dataset: Optional[str] = typer.Option(None, help="xsum, mmlu, sharegpt (comma-separated) [all three]."),
     strategies: Optional[str] = typer.Option(
         None, help="cloud-only, edge-only, edge-naive, edgeprompt, ce-lslm[:mapping], ce-lslm-fuse, "
@@ -42,7 +43,8 @@ def eval_(
     naive_keep: Optional[str] = typer.Option(None, help="edge-naive keeps the head, tail or head-tail [head]."),
 ) -> None:
     """Evaluate strategies on XSum / MMLU / ShareGPT: latency, memory, bytes, upload ratio and quality."""
-    overrides = dict(cloud=cloud, edge=edge, dtype=dtype, device=device, datasets=parse_list(dataset),
+    overrides = dict(cloud=cloud, edge=edge, dtype=dtype, device=device, weights=weights,
+                     datasets=parse_list(dataset),
                      strategies=parse_list(strategies), limit=limit,
                      out=str(out) if out else None, max_new_tokens=max_new_tokens, bandwidth_mbps=bandwidth_mbps,
                      latency_ms=latency_ms, translator=translator,

@@ -45,6 +45,7 @@ def serve_edge(
     cache_dir: Optional[Path] = typer.Option(None, help="Verified copies of remote exports [~/.cache/edgekv]."),
     dtype: Optional[str] = typer.Option(None, help="bfloat16, float16 or float32 [bfloat16]."),
     device: Optional[str] = typer.Option(None, help="cpu, cuda or auto (CUDA when torch sees a GPU) [cpu]."),
+    weights: Optional[str] = typer.Option(None, help="The edge's linears: bf16, int8 or int4 (weight-only) [bf16]."),
     prepack: Optional[bool] = typer.Option(None, "--prepack/--no-prepack",
                                            help="bf16 on CPU: prepack the linear weights for oneDNN [on]."),
     config: Optional[Path] = typer.Option(None, help="YAML config (flags override it)."),
@@ -56,7 +57,8 @@ def serve_edge(
                      bandwidth_mbps=bandwidth_mbps, latency_ms=latency_ms, max_new_tokens=max_new_tokens,
                      max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes, temperature=temperature,
                      top_p=top_p, seed=seed, local_sink_tokens=local_sink_tokens,
-                     cache_dir=str(cache_dir) if cache_dir else None, dtype=dtype, device=device, api_key=api_key,
+                     cache_dir=str(cache_dir) if cache_dir else None, dtype=dtype, device=device, weights=weights,
+                     api_key=api_key,
                      max_batch=max_batch, max_queue=max_queue, served_model_name=served_model_name,
                      max_kv_mb=max_kv_mb, peer_kv=peer_kv, prepack=prepack)
     cfg = load_config(ServeConfig, "serve_edge", config, overrides)

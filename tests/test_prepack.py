@@ -49,9 +49,9 @@ def test_float32_models_are_left_alone():
 
 def test_paging_out_a_weight_keeps_its_values():
     """Paging out is only a hint to the kernel: a tensor that is still read keeps its contents."""
-    from edgekv.models.prepack import _page_out
+    from edgekv.models.prepack import page_out
 
     x = torch.randn(4096, 1024)  # 16 MiB of anonymous memory
     want = x.clone()
-    _page_out(x)
+    page_out(x)
     assert torch.equal(x, want)

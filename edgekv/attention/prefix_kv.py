@@ -56,19 +56,52 @@ class SharedPrefixLayer(DynamicLayer):
     def __init__(self, prefix: Callable[[], KVPair], prefix_len: int, on_wait: Callable[[float], None] | None = None):
         super().__init__()
         self.prefix, self.prefix_len, self._on_wait = prefix, prefix_len, on_wait
+        self._buffer: tuple[torch.Tensor, torch.Tensor] | None = None  # [prefix | own | room], inference only
+        self._used = 0
+
+    def _shared(self) -> KVPair:
+        start = time.perf_counter()
+        pk, pv = self.prefix()
+        if self._on_wait is not None:
+            self._on_wait(time.perf_counter() - start)
+        return pk, pv
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> KVPair:
         """Append the request's new tokens; return prefix + own tokens for attention."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        start = time.perf_counter()
-        pk, pv = self.prefix()
-        if self._on_wait is not None:
-            self._on_wait(time.perf_counter() - start)
-        return torch.cat([pk.to(self.keys.dtype), self.keys], dim=-2), torch.cat(
-            [pv.to(self.values.dtype), self.values], dim=-2)
+        if torch.is_grad_enabled():  # training reads gradients through the prefix: plain concatenation
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+            pk, pv = self._shared()
+            return torch.cat([pk.to(self.keys.dtype), self.keys], dim=-2), torch.cat(
+                [pv.to(self.values.dtype), self.values], dim=-2)
+        # inference: the prefix is copied once into a buffer that grows by doubling, new tokens are written in
+        # place; a decode step no longer copies the whole prefix of every layer
+        new = key_states.shape[-2]
+        if self._buffer is None:
+            pk, pv = self._shared()
+            self._used = pk.shape[-2]
+            self._buffer = self._grow(pk.to(key_states.dtype), pv.to(value_states.dtype), self._used + 2 * new + 64)
+        elif self._used + new > self._buffer[0].shape[-2]:
+            bk, bv = self._buffer
+            self._buffer = self._grow(bk[..., :self._used, :], bv[..., :self._used, :], 2 * (self._used + new))
+        bk, bv = self._buffer
+        bk[..., self._used:self._used + new, :] = key_states
+        bv[..., self._used:self._used + new, :] = value_states
+        self._used += new
+        self.keys, self.values = bk[..., self.prefix_len:self._used, :], bv[..., self.prefix_len:self._used, :]
+        return bk[..., :self._used, :], bv[..., :self._used, :]
+
+    @staticmethod
+    def _grow(keys: torch.Tensor, values: torch.Tensor, capacity: int) -> KVPair:
+        """A buffer of `capacity` tokens holding keys/values at its start."""
+        out = []
+        for t in (keys, values):
+            buf = t.new_empty(*t.shape[:-2], capacity, t.shape[-1])
+            buf[..., :t.shape[-2], :] = t
+            out.append(buf)
+        return out[0], out[1]
 
     def get_seq_length(self) -> int:
         """Prefix + own tokens."""

@@ -59,6 +59,7 @@ class EvalConfig:
     edge: str = "default-edge"
     dtype: str = "bfloat16"
     device: str = "cpu"  # cpu, cuda or auto
+    weights: str = "bf16"  # the edge's linears: bf16, int8 or int4 (weight-only, torch's CPU kernels)
     datasets: list[str] = field(default_factory=lambda: ["xsum", "mmlu", "sharegpt"])
     strategies: list[str] = field(default_factory=lambda: ["cloud-only", "edge-only", "edgeprompt", "ce-lslm"])
     limit: int = 20
@@ -168,7 +169,8 @@ class Runner:
         if models is not None:
             self.cloud, self.edge = models
         else:
-            self.cloud, self.edge = load_pair(cfg.cloud, cfg.edge, cfg.dtype, device=cfg.device)
+            self.cloud, self.edge = load_pair(cfg.cloud, cfg.edge, cfg.dtype, device=cfg.device,
+                                              edge_weights=cfg.weights)
         check_tokenizers(self.cloud.tokenizer, self.edge.tokenizer)
         self.link = Link(cfg.bandwidth_mbps, cfg.latency_ms)
         self.translators: dict[str, str] = {}

@@ -56,6 +56,7 @@ class CompressConfig:
     edge: str = "default-edge"
     dtype: str = "bfloat16"
     device: str = "cpu"  # cpu, cuda or auto (CUDA when torch sees one)
+    weights: str = "bf16"  # the edge's linears: bf16, int8 or int4 (weight-only, torch's CPU kernels)
     device_map: str | None = None
     system_prompt: str | None = None  # the text, or @path of a UTF-8 file
     mapping: str | None = None  # mapping.json of `edgekv align`; None: uniform (heterogeneous) / identity (same)
@@ -427,7 +428,7 @@ def run_compress(cfg: CompressConfig, progress=None, models: tuple[LoadedModel, 
     timings: dict[str, float] = {}
     start = time.perf_counter()
     cloud, edge = models if models is not None else load_pair(cfg.cloud, cfg.edge, cfg.dtype, cfg.device_map,
-                                                              cfg.device)
+                                                              cfg.device, cfg.weights)
     same = same_model(cloud, edge)  # the same model under two names is still the exact same-model path
     check_tokenizers(cloud.tokenizer, edge.tokenizer)
     cfg = resolve_splice(cfg, cloud, edge, same)

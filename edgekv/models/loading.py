@@ -63,6 +63,7 @@ class LoadedModel:
     tokenizer: object
     source: str
     fingerprint: str
+    quantization: dict | None = None  # what quantize_linears did (--weights int8/int4), None for bf16
 
     @property
     def num_layers(self) -> int:
@@ -262,10 +263,41 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
+def _exact_int4(spec: str, source: str) -> dict:
+    """A GGUF model's Q4_K tensors as exact int4 (see models/quantized.py), {} for other sources. For a packaged
+    default they are extracted once (re-assembling its GGUF) and kept beside its converted copy."""
+    from safetensors.torch import load_file, save_file
+
+    from edgekv.models.quantized import Int4Weight, gguf_q4k_weights
+
+    kind, _, where = source.partition(":")
+    if kind == "gguf":
+        return gguf_q4k_weights(where)
+    if kind != "default":
+        return {}
+    cached = Path(where) / "q4k-int4.safetensors"
+    if not cached.exists():
+        with tempfile.TemporaryDirectory(dir=Path(where).parent, prefix=".assemble-") as tmp:
+            gguf = assemble_gguf(DEFAULT_MODELS[spec], Path(tmp))
+            found = gguf_q4k_weights(str(gguf))
+            tensors = {f"{n}.{part}": getattr(w, part).contiguous() for n, w in found.items()
+                       for part in ("q", "scale", "zero")}
+            save_file(tensors, str(Path(tmp) / cached.name))
+            os.replace(Path(tmp) / cached.name, cached)
+    tensors = load_file(str(cached))
+    names = {k.rsplit(".", 1)[0] for k in tensors}
+    return {n: Int4Weight(tensors[f"{n}.q"], tensors[f"{n}.scale"], tensors[f"{n}.zero"]) for n in names}
+
+
 def load_model(spec: str, dtype: str = "bfloat16", device_map: str | None = None,
-               device: str | None = None) -> LoadedModel:
+               device: str | None = None, weights: str = "bf16") -> LoadedModel:
     """Load a causal LM and its tokenizer from an alias, a .gguf file, a local directory or a hub id, onto
-    `device` (cpu, cuda, auto) or sharded by an accelerate `device_map`."""
+    `device` (cpu, cuda, auto) or sharded by an accelerate `device_map`; `weights` int8/int4 swaps its linears
+    for weight-only quantized ones (int4 from a GGUF's own Q4_K blocks where it has them)."""
+    from edgekv.models.quantized import WEIGHTS, quantize_linears
+
+    if weights not in WEIGHTS:
+        raise EdgeKVError(f"unknown --weights '{weights}' (choose from {', '.join(WEIGHTS)})")
     from transformers import AutoModelForCausalLM
 
     kwargs: dict = {"dtype": parse_dtype(dtype)}
@@ -278,8 +310,13 @@ def load_model(spec: str, dtype: str = "bfloat16", device_map: str | None = None
     if not device_map and target != "cpu":
         model.to(target)
     model.eval()
+    fingerprint, quantization = _fingerprint(spec, r.source, model), None
+    if weights != "bf16":  # another model numerically: exports made by the bf16 model are refused
+        exact = _exact_int4(spec, r.source) if weights == "int4" else {}
+        quantization = quantize_linears(model, weights, exact)
+        fingerprint += f"+{weights}"
     return LoadedModel(spec=spec, model=model, tokenizer=load_tokenizer(spec), source=r.source,
-                       fingerprint=_fingerprint(spec, r.source, model))
+                       fingerprint=fingerprint, quantization=quantization)
 
 
 def same_model(a: LoadedModel, b: LoadedModel) -> bool:
@@ -289,10 +326,11 @@ def same_model(a: LoadedModel, b: LoadedModel) -> bool:
 
 
 def load_pair(cloud: str, edge: str, dtype: str = "bfloat16", device_map: str | None = None,
-              device: str | None = None) -> tuple[LoadedModel, LoadedModel]:
+              device: str | None = None, edge_weights: str = "bf16") -> tuple[LoadedModel, LoadedModel]:
     """(cloud, edge), loaded once when both name the same model (`cloud is edge` then): `dir/` and an absolute
-    path to it, or two copies of the same files, are the same model."""
-    edge_m = load_model(edge, dtype, device_map, device)
+    path to it, or two copies of the same files, are the same model. `edge_weights` quantizes the edge (and the
+    cloud with it when they are one model)."""
+    edge_m = load_model(edge, dtype, device_map, device, edge_weights)
     try:
         same_source = _resolve(cloud).source == _resolve(edge).source
     except EdgeKVError:

@@ -58,7 +58,7 @@ def _libc_madvise():
 _MADVISE = _libc_madvise()
 
 
-def _page_out(tensor: torch.Tensor) -> None:
+def page_out(tensor: torch.Tensor) -> None:
     """Hand the pages of a dropped weight back to the kernel. Weights loaded from safetensors are views of one
     file mapping that the embedding keeps alive, so dropping a `Linear` frees nothing and its pages would stay in
     RSS beside the packed copy (+0.66 GB on the default edge). Paging out never changes what the memory holds,
@@ -101,11 +101,11 @@ def prepack_linears(model: torch.nn.Module, rows_hint: int = 64, head: bool = Tr
                 for name, child in list(parent.named_children()):
                     if type(child) is torch.nn.Linear:
                         setattr(parent, name, PackedLinear(child, rows_hint))
-                        _page_out(child.weight)
+                        page_out(child.weight)
                         count += 1
         out = model.get_output_embeddings() if head and hasattr(model, "get_output_embeddings") else None
         if type(out) is torch.nn.Linear and out.weight.dtype == torch.bfloat16:
             model.set_output_embeddings(PackedLinear(out, rows_hint=1))
-            _page_out(out.weight)
+            page_out(out.weight)
             count += 1
     return count

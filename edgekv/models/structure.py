@@ -131,7 +131,8 @@ def kv_from_hidden(model: torch.nn.Module, layer_index: int, hidden: torch.Tenso
     if not (hasattr(attn, "k_proj") and hasattr(attn, "v_proj")):
         raise EdgeKVError(f"edgekv does not know how a {type(attn).__name__} makes its KV (no k_proj/v_proj: "
                           "fused projections are not supported); refused rather than approximated")
-    weight = attn.k_proj.weight
+    # the projection's float tensor gives dtype and device (a quantized linear holds int buffers and its scales)
+    weight = next(t for t in (*attn.k_proj.parameters(), *attn.k_proj.buffers()) if t.is_floating_point())
     norm = attention_input_norm(layer)
     h = hidden.to(device=weight.device, dtype=weight.dtype)
     h = h if norm is None else norm(h[None])[0]

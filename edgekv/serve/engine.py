@@ -218,8 +218,9 @@ class Engine:
         self.session, self.max_batch, self.max_queue = session, max_batch, max_queue
         self.max_step_tokens = max_step_tokens
         self.model, self.tokenizer, self.system = session.model, session.edge.tokenizer, session.system
-        if relay:  # the attention function that also runs relay steps (a fuse SystemKV has enabled it already)
-            enable_fusion(self.model)
+        # the attention function that runs relay steps and decode steps (decode_attention); a fuse SystemKV and
+        # the session have enabled it already
+        enable_fusion(self.model)
         _, kv_heads, head_dim = attn_shape(self.model)
         self.device = model_device(self.model)
         self._empty = torch.zeros(1, kv_heads, 0, head_dim, dtype=self.system.dtype, device=self.device)

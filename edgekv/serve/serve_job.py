@@ -28,6 +28,7 @@ class ServeConfig:
     system_prompt: str | None = None  # TEXT or @FILE: required only to prefill locally when no export is readable
     dtype: str = "bfloat16"
     device: str = "cpu"  # cpu, cuda or auto (CUDA when torch sees one)
+    weights: str = "bf16"  # the edge's linears: bf16, int8 or int4 (weight-only, torch's CPU kernels)
     host: str = "127.0.0.1"
     port: int = 8000
     batch: str | None = None
@@ -105,7 +106,7 @@ def open_session(cfg: ServeConfig) -> EdgeSession | ExportPool:
 
 def _open(cfg: ServeConfig) -> EdgeSession | ExportPool:
     limit_onednn_cache()  # before the first matmul of this process (the session's prefill)
-    edge = load_model(cfg.edge, cfg.dtype, device=cfg.device)
+    edge = load_model(cfg.edge, cfg.dtype, device=cfg.device, weights=cfg.weights)
     if cfg.prepack:
         prepack_linears(edge.model)  # serving never trains or reads the weights; a no-op where unsupported
     system = read_system_prompt(cfg.system_prompt) if cfg.system_prompt else None

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from edgekv import EdgeKVError
+from edgekv.attention.fuse import enable_fusion
 from edgekv.attention.prefix_kv import continuation_nll
 from edgekv.models.loading import LoadedModel, eos_ids
 from edgekv.models.structure import check_context, context_limit
@@ -33,6 +34,9 @@ class EdgeSession:
         self.system = system if system is not None else SystemKV(edge, kv, system_prompt, link, cache_dir,
                                                                  local_sink_tokens, peer_kv)
         self.eos_ids = eos_ids(edge)
+        # edgekv's attention on the model itself: a full prefill of the same model (generate) then computes what
+        # the session computes (decode steps through decode_attention, query blocks through the flash kernel)
+        enable_fusion(self.model)
         self._engine = None
         self._engine_lock = threading.Lock()
 

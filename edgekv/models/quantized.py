@@ -1,0 +1,236 @@
+"""Weight-only quantized linears for the edge (`--weights int8|int4`) on torch's own CPU kernels.
+
+Decode at batch 1 is memory-bound: the edge reads every weight once per token. int4 (group-32 asymmetric,
+w = (q − 8)·scale + zero, q ∈ 0..15) and int8 (per-output-channel symmetric) read 4× / 2× fewer bytes than bf16
+through `torch._weight_int4pack_mm_for_cpu` / `torch._weight_int8pack_mm`. Every row count takes the kernel by
+default: each row's result is then the same function of that row whatever the batch, so a spliced prefix is
+exact against the quantized model's own full prefill. With `prefill_rows = R` a forward of more than R rows (a
+long prefill) dequantizes the weight and runs one dense GEMM instead — faster at a thousand rows, but a row's
+arithmetic then depends on how many rows came with it (`python -m bench.peer_llamacpp` measures both).
+
+A GGUF's Q4_K tensors (super-blocks of 256 = 8 sub-blocks of 32, each with a 6-bit scale and min; value =
+d·sc·q − dmin·m) are exactly group-32 asymmetric int4: `q4k_to_int4` loads them with their own scales and zero
+points; every other tensor (and any model from safetensors or the hub) is quantized round-to-nearest.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from edgekv import EdgeKVError
+from edgekv.models.prepack import page_out
+
+log = logging.getLogger("edgekv")
+WEIGHTS = ("bf16", "int8", "int4")
+GROUP = 32
+
+
+@dataclass
+class Int4Weight:
+    """Group-wise asymmetric int4: w[n, k] = (q[n, k] − 8)·scale[n, k // g] + zero[n, k // g]."""
+
+    q: torch.Tensor  # (N, K) uint8, 0..15
+    scale: torch.Tensor  # (N, K / g) float32
+    zero: torch.Tensor  # (N, K / g) float32
+
+    def dequantize(self) -> torch.Tensor:
+        """(N, K) float32."""
+        n, k = self.q.shape
+        groups = self.q.reshape(n, self.scale.shape[1], -1).float() - 8
+        return (groups * self.scale[..., None] + self.zero[..., None]).reshape(n, k)
+
+
+def int4_rtn(weight: torch.Tensor, group: int = GROUP, rows: int = 8192) -> Int4Weight:
+    """Round-to-nearest group-wise int4 of a (N, K) weight: each group's min and max span the 16 levels (in
+    chunks of `rows`, so a 151,936-row head never needs a float32 copy of itself)."""
+    n, k = weight.shape
+    parts = []
+    for start in range(0, n, rows):
+        w = weight[start:start + rows].float().reshape(-1, k // group, group)
+        lo, hi = w.amin(-1), w.amax(-1)
+        scale = ((hi - lo) / 15).clamp_min(1e-12)
+        q = ((w - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8).reshape(-1, k)
+        parts.append((q, scale, lo + 8 * scale))
+    return Int4Weight(*(torch.cat(t) for t in zip(*parts)))
+
+
+def _q4k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit sub-block scales and mins of each super-block from its 12 packed bytes (ggml's
+    get_scale_min_k4): (blocks, 8) each."""
+    p = packed.astype(np.uint8)
+    sc = np.empty((p.shape[0], 8), np.uint8)
+    mn = np.empty((p.shape[0], 8), np.uint8)
+    sc[:, :4], mn[:, :4] = p[:, 0:4] & 63, p[:, 4:8] & 63
+    sc[:, 4:] = (p[:, 8:12] & 0xF) | ((p[:, 0:4] >> 6) << 4)
+    mn[:, 4:] = (p[:, 8:12] >> 4) | ((p[:, 4:8] >> 6) << 4)
+    return sc, mn
+
+
+def q4k_to_int4(raw: np.ndarray, out_features: int, in_features: int) -> Int4Weight:
+    """A GGUF Q4_K tensor's bytes `(N, K / 256 · 144)` as exact group-32 int4: scale = d·sc, zero = 8·scale − dmin·m."""
+    blocks = np.ascontiguousarray(raw).reshape(-1, 144)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)[:, 0]
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0]
+    sc, mn = _q4k_scales(blocks[:, 4:16])
+    qs = blocks[:, 16:144].reshape(-1, 4, 32)  # 4 chunks of 64 values: low nibbles then high nibbles
+    q = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(-1, 256)  # sub-block j = 2·chunk + (0 low, 1 high)
+    scale = d[:, None] * sc.astype(np.float32)
+    zero = 8 * scale - dmin[:, None] * mn.astype(np.float32)
+    n, g = out_features, in_features // GROUP
+    return Int4Weight(torch.from_numpy(q.astype(np.uint8)).reshape(n, in_features),
+                      torch.from_numpy(scale).reshape(n, g), torch.from_numpy(zero).reshape(n, g))
+
+
+class Int4Linear(torch.nn.Module):
+    """A linear layer on torch's packed CPU int4 layout (decode) and a nibble copy dequantized for prefill."""
+
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype,
+                 prefill_rows: int | None = None):
+        super().__init__()
+        n, k = weight.q.shape
+        self.in_features, self.out_features, self.dtype, self.prefill_rows = k, n, dtype, prefill_rows
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(weight.q.to(torch.int32), 1))
+        # the nibble copy (another K·N/2 bytes) exists only for the dense prefill path
+        self.register_buffer("nibbles", None if prefill_rows is None else weight.q[:, ::2] | (weight.q[:, 1::2] << 4))
+        self.register_buffer("scales_zeros", torch.stack([weight.scale, weight.zero], -1).transpose(0, 1)
+                             .contiguous().to(dtype))
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+
+    def dequantized(self) -> torch.Tensor:
+        """(N, K) weight in the activation dtype."""
+        q = torch.stack([self.nibbles & 0xF, self.nibbles >> 4], -1).reshape(self.out_features, -1, GROUP)
+        sz = self.scales_zeros.transpose(0, 1)  # (N, K/g, 2)
+        return ((q.to(self.dtype) - 8) * sz[..., :1] + sz[..., 1:]).reshape(self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(self.dtype)
+        if self.prefill_rows is not None and flat.shape[0] > self.prefill_rows:
+            y = torch.nn.functional.linear(flat, self.dequantized(), self.bias)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(flat.contiguous(), self.packed, GROUP, self.scales_zeros)
+            y = y if self.bias is None else y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int8Linear(torch.nn.Module):
+    """A linear layer with per-output-channel symmetric int8 weights (`torch._weight_int8pack_mm` at decode)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 prefill_rows: int | None = None):
+        super().__init__()
+        w = weight.detach().float()
+        scale = (w.abs().amax(1) / 127).clamp_min(1e-12)
+        self.in_features, self.out_features, self.dtype, self.prefill_rows = w.shape[1], w.shape[0], dtype, prefill_rows
+        self.register_buffer("q", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale.to(dtype))
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(self.dtype)
+        if self.prefill_rows is not None and flat.shape[0] > self.prefill_rows:
+            y = torch.nn.functional.linear(flat, self.q.to(self.dtype) * self.scale[:, None], self.bias)
+        else:
+            y = torch._weight_int8pack_mm(flat.contiguous(), self.q, self.scale)
+            y = y if self.bias is None else y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def _fits(weights: str, n: int, k: int) -> str | None:
+    """Why the kernel cannot take an (N, K) weight, or None."""
+    if weights == "int4" and (n % 16 or k % GROUP):
+        return f"int4 needs out_features % 16 == 0 and in_features % {GROUP} == 0, got {n}×{k}"
+    return None
+
+
+@torch.no_grad()  # the weights are parameters: an autograd graph would keep every float32 work copy alive
+def quantize_linears(model: torch.nn.Module, weights: str, exact: dict[str, Int4Weight] | None = None,
+                     prefill_rows: int | None = None) -> dict:
+    """Replace every nn.Linear of the decoder and the LM head by its int8/int4 form (in place); a layer whose shape
+    the kernel cannot take stays as it is, with one log line. `exact` supplies int4 weights by module name (Q4_K
+    from a GGUF). Returns counts: quantized, exact, kept, and the bytes of the linear weights before and after."""
+    if weights not in WEIGHTS:
+        raise EdgeKVError(f"unknown --weights '{weights}' (choose from {', '.join(WEIGHTS)})")
+    report = {"weights": weights, "quantized": 0, "exact_from_gguf": 0, "kept": [], "bytes_before": 0,
+              "bytes_after": 0}
+    if weights == "bf16":
+        return report
+    if next(model.parameters()).device.type != "cpu":
+        raise EdgeKVError(f"--weights {weights} uses torch's CPU kernels: run it with --device cpu")
+    exact = exact or {}
+    dtype = next(model.parameters()).dtype
+    targets = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    for name in targets:
+        linear = model.get_submodule(name)
+        n, k = linear.weight.shape
+        report["bytes_before"] += linear.weight.numel() * linear.weight.element_size()
+        why = _fits(weights, n, k)
+        if why is not None:
+            log.info("%s stays %s: %s", name, str(dtype).removeprefix("torch."), why)
+            report["kept"].append(name)
+            report["bytes_after"] += linear.weight.numel() * linear.weight.element_size()
+            continue
+        if weights == "int4":
+            w4 = exact.get(name)
+            report["exact_from_gguf"] += w4 is not None
+            new = Int4Linear(w4 if w4 is not None else int4_rtn(linear.weight), linear.bias, dtype, prefill_rows)
+            report["bytes_after"] += new.packed.numel() + new.scales_zeros.numel() * new.scales_zeros.element_size()
+        else:
+            new = Int8Linear(linear.weight, linear.bias, dtype, prefill_rows)
+            report["bytes_after"] += new.q.numel() + new.scale.numel() * new.scale.element_size()
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+        page_out(linear.weight)  # mapped from the weights file: hand its pages back (a tied head's too)
+        del linear
+        _trim()  # the float32 work copies are freed into glibc's heap, which keeps them resident unless asked
+        report["quantized"] += 1
+    return report
+
+
+def _libc_trim():
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _libc_trim()
+
+
+def _trim() -> None:
+    """Return freed heap memory to the OS (glibc's malloc_trim); a no-op elsewhere."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+              "ffn_down": "mlp.down_proj"}
+
+
+def gguf_q4k_weights(gguf_path: str) -> dict[str, Int4Weight]:
+    """Every Q4_K tensor of a Llama/Qwen-layout GGUF as exact int4, keyed by the transformers module name."""
+    import gguf
+
+    out = {}
+    for t in gguf.GGUFReader(gguf_path).tensors:
+        if t.tensor_type != gguf.GGMLQuantizationType.Q4_K:
+            continue
+        parts = t.name.split(".")
+        if t.name == "output.weight":
+            name = "lm_head"
+        elif parts[0] == "blk" and parts[2] in GGUF_NAMES:
+            name = f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}"
+        else:
+            continue
+        k, n = (int(x) for x in t.shape)  # GGUF lists the row length first
+        out[name] = q4k_to_int4(np.asarray(t.data), n, k)
+    return out

@@ -1,0 +1,96 @@
+"""Weight-only int8/int4 edge linears: exact GGUF Q4_K loading, the kernels against their dequantized weights,
+fallback for shapes the kernel cannot take, and same-model splice on the quantized edge."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from edgekv import EdgeKVError
+from edgekv.models import quantized as qz
+from tests.conftest import SYSTEM, USERS, byte_tokenizer, make_export, save_model, tiny_qwen2
+
+
+def _q4k_block(rng: np.random.Generator) -> bytes:
+    """One random Q4_K super-block (144 bytes) with finite fp16 d and dmin."""
+    d, dmin = np.array([rng.uniform(1e-3, 1e-2), rng.uniform(1e-3, 1e-2)], np.float16)
+    return d.tobytes() + dmin.tobytes() + rng.integers(0, 256, 140, dtype=np.uint8).tobytes()
+
+
+def test_q4k_blocks_load_as_exact_int4():
+    """Against gguf's own Q4_K dequantizer: bit-equal in float32."""
+    import gguf
+
+    rng = np.random.default_rng(0)
+    n, k = 32, 512
+    raw = np.frombuffer(b"".join(_q4k_block(rng) for _ in range(n * k // 256)), np.uint8).reshape(n, -1)
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)
+    got = qz.q4k_to_int4(raw, n, k).dequantize().numpy()
+    assert want.shape == got.shape == (n, k) and np.array_equal(want, got)
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_quantized_linear_equals_its_dequantized_weight(weights, rows):
+    """Kernel rows (1, 5) and dense-prefill rows (40 > prefill_rows 16) against x·Ŵᵀ in float64, Ŵ the dequantized
+    weight: tolerance 1e-2 relative (bf16 activations, bf16 scales)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 64).to(torch.bfloat16)
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    if weights == "int4":
+        w4 = qz.int4_rtn(lin.weight)
+        q = qz.Int4Linear(w4, lin.bias, torch.bfloat16, prefill_rows=16)
+        w_hat = q.dequantized().double()
+    else:
+        q = qz.Int8Linear(lin.weight, lin.bias, torch.bfloat16, prefill_rows=16)
+        w_hat = q.q.double() * q.scale.double()[:, None]
+    want = x.double() @ w_hat.T + lin.bias.double()
+    got = q(x).double()
+    assert (got - want).abs().max() <= 1e-2 * want.abs().max()
+    assert (w_hat - lin.weight.double()).abs().max() <= (0.07 if weights == "int4" else 0.01) * lin.weight.abs().max()
+
+
+def test_a_shape_the_kernel_cannot_take_stays_and_says_so(caplog):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 40), torch.nn.Linear(40, 32)).to(torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="edgekv"):
+        report = qz.quantize_linears(model, "int4")
+    assert report["quantized"] == 0 and report["kept"] == ["0", "1"]
+    assert isinstance(model[0], torch.nn.Linear) and len(caplog.records) == 2
+    assert "0 stays bfloat16: int4 needs out_features % 16 == 0 and in_features % 32 == 0, got 40×64" in caplog.text
+    with pytest.raises(EdgeKVError, match="unknown --weights 'int3'"):
+        qz.quantize_linears(model, "int3")
+
+
+@pytest.fixture(scope="module")
+def edge_dir_bf16(tmp_path_factory):
+    model = tiny_qwen2(3, 64, 4, 2, seed=7, init=0.2).to(torch.bfloat16)
+    return save_model(model, byte_tokenizer(), tmp_path_factory.mktemp("q") / "edge")
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantized_same_model_splice_equals_its_own_full_prefill(edge_dir_bf16, weights, tmp_path):
+    """Greedy on the quantized edge: the spliced export (made by the same quantized model) answers as that
+    model's own `generate` on the concatenation; a bf16-made export is refused for it."""
+    from edgekv.kv.compress_job import CompressConfig, run_compress
+    from edgekv.models.loading import load_model
+    from edgekv.serve.engine import SamplingParams
+    from edgekv.serve.session import EdgeSession
+
+    edge = load_model(edge_dir_bf16, "bfloat16", weights=weights)
+    assert edge.quantization["quantized"] == 3 * 7 + 1 and edge.fingerprint.endswith("+" + weights)
+    run_compress(CompressConfig(out=str(tmp_path / "kv"), cloud=edge_dir_bf16, edge=edge_dir_bf16,
+                                system_prompt=SYSTEM, dtype="bfloat16", quant="bf16", start_layer=1, weights=weights))
+    session = EdgeSession(edge, str(tmp_path / "kv"), cache_dir=tmp_path / "c")
+    session.eos_ids = set()
+    for user in [*USERS, "hi", "ok?"]:  # short and long user prompts: one kernel for every row count
+        ids = edge.tokenizer(SYSTEM)["input_ids"] + edge.tokenizer(user, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            want = edge.model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                       pad_token_id=0)[0, len(ids):].tolist()
+        assert session.complete(user, SamplingParams(max_new_tokens=12)).token_ids == want
+    bf16_export = make_export(edge_dir_bf16, tmp_path / "kv-bf16")
+    with pytest.raises(EdgeKVError, match="edge model"):
+        EdgeSession(edge, str(bf16_export), cache_dir=tmp_path / "c2")
