@@ -94,3 +94,46 @@ def test_quantized_same_model_splice_equals_its_own_full_prefill(edge_dir_bf16, 
     bf16_export = make_export(edge_dir_bf16, tmp_path / "kv-bf16")
     with pytest.raises(EdgeKVError, match="edge model"):
         EdgeSession(edge, str(bf16_export), cache_dir=tmp_path / "c2")
+
+
+@pytest.mark.slow
+def test_the_default_edges_q4k_tensor_loads_exactly_and_computes_as_its_bf16_copy(tmp_path):
+    """A real Q4_K tensor of the default edge's GGUF: the int4 weights dequantize bit-equal to gguf's own
+    dequantizer, and the int4 linear equals the converted bf16 model's linear up to bf16 rounding (relative 2e-2
+    of the output scale: the bf16 copy rounds each weight, the kernel rounds scales and zeros to bf16)."""
+    import gguf
+
+    from edgekv.models.loading import DEFAULT_MODELS, assemble_gguf, load_model
+
+    path = assemble_gguf(DEFAULT_MODELS["default-edge"], tmp_path)
+    tensor = next(t for t in gguf.GGUFReader(str(path)).tensors if t.tensor_type == gguf.GGMLQuantizationType.Q4_K)
+    k, n = (int(x) for x in tensor.shape)
+    w4 = qz.q4k_to_int4(np.asarray(tensor.data), n, k)
+    assert np.array_equal(w4.dequantize().numpy(), gguf.quants.dequantize(tensor.data, tensor.tensor_type))
+    layer = int(tensor.name.split(".")[1])
+    edge = load_model("default-edge", "bfloat16")
+    dense = edge.model.model.layers[layer].mlp.down_proj
+    torch.manual_seed(0)
+    x = torch.randn(3, k, dtype=torch.bfloat16)
+    want = dense(x).double()
+    got = qz.Int4Linear(w4, None, torch.bfloat16)(x).double()
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+@pytest.mark.slow
+def test_int4_real_edge_splice_equals_its_own_full_prefill(tmp_path):
+    from edgekv.models.loading import load_model
+    from edgekv.serve.engine import SamplingParams
+    from edgekv.serve.session import EdgeSession
+
+    edge = load_model("default-edge", "bfloat16", weights="int4")
+    assert edge.quantization["exact_from_gguf"] == 12 and not edge.quantization["kept"]
+    system = "You are a careful assistant. The council approved a new cycle lane along the river on Tuesday. " * 4
+    session = EdgeSession(edge, None, system, cache_dir=None)
+    session.eos_ids = set()
+    for user in ["\nUser: what did the council approve?\nAssistant:", "\nUser: hi\nAssistant:"]:
+        ids = edge.tokenizer(system)["input_ids"] + edge.tokenizer(user, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            want = edge.model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                                       pad_token_id=0)[0, len(ids):].tolist()
+        assert session.complete(user, SamplingParams(max_new_tokens=16)).token_ids == want
