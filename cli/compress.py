@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -10,6 +11,7 @@ from rich.table import Table
 
 from cli.common import console, one_line_errors, progress_bar
 from edgekv.config import load_config
+from edgekv.kv.batch_compress import run_compress_batch
 from edgekv.kv.compress_job import CompressConfig, run_compress
 
 
@@ -43,6 +45,11 @@ def compress(
     weights: Optional[str] = typer.Option(None, help="The edge's linears: bf16, int8 or int4 (weight-only) [bf16]."),
     device_map: Optional[str] = typer.Option(None, help="accelerate device map for large models, e.g. auto."),
     seed: Optional[int] = typer.Option(None, help="Seed [0]."),
+    prompts: Optional[Path] = typer.Option(None, help="JSONL of {name, system_prompt}: one export each (--catalog)."),
+    catalog: Optional[str] = typer.Option(None, help="Catalog of exports: a folder or fsspec URL (with --prompts)."),
+    ray: Optional[str] = typer.Option(None, help="Run --prompts on Ray: 'local' starts one here, 'auto' or an "
+                                      "address joins a cluster [in-process]."),
+    workers: Optional[int] = typer.Option(None, help="Ray actors, each loading the models once [2]."),
     config: Optional[Path] = typer.Option(None, help="YAML config (flags override it)."),
 ) -> None:
     """Compress the cloud's system-prompt KV (ThinK pruning, quantization, cross-model maps) into a KV export."""
@@ -52,8 +59,20 @@ def compress(
                      translator_path=str(translator_path) if translator_path else None,
                      local_sink_tokens=local_sink_tokens, splice=splice,
                      calib=str(calib) if calib else None, calib_texts=calib_texts, calib_tokens=calib_tokens,
-                     tar=tar, dtype=dtype, device=device, weights=weights, device_map=device_map, seed=seed)
+                     prompts=str(prompts) if prompts else None, catalog=catalog,
+                     ray="" if ray == "local" else ray, workers=workers, tar=tar, dtype=dtype, device=device,
+                     weights=weights, device_map=device_map, seed=seed)
     cfg = load_config(CompressConfig, "compress", config, overrides)
+    if cfg.prompts:
+        with progress_bar() as progress:
+            done = run_compress_batch(cfg, progress)
+        console.print(f"{done['computed']} computed, {done['skipped']} already in {cfg.catalog}, "
+                      f"{len(done['failed'])} failed")
+        for f in done["failed"]:
+            print(f"error: {f['name']}: {f['error']}", file=sys.stderr)
+        if done["failed"]:
+            raise typer.Exit(1)
+        return
     with progress_bar() as progress:
         report = run_compress(cfg, progress)
     table = Table(title=f"{report['regime']} export: {report['system_prompt_tokens']} system-prompt tokens")

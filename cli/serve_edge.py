@@ -43,6 +43,7 @@ def serve_edge(
     seed: Optional[int] = typer.Option(None, help="Default sampling seed [0]."),
     local_sink_tokens: Optional[int] = typer.Option(None, help="Override the export's local sink tokens."),
     cache_dir: Optional[Path] = typer.Option(None, help="Verified copies of remote exports [~/.cache/edgekv]."),
+    catalog: Optional[str] = typer.Option(None, help="Serve every entry of a catalog (folder or URL) by name/hash."),
     dtype: Optional[str] = typer.Option(None, help="bfloat16, float16 or float32 [bfloat16]."),
     device: Optional[str] = typer.Option(None, help="cpu, cuda or auto (CUDA when torch sees a GPU) [cpu]."),
     weights: Optional[str] = typer.Option(None, help="The edge's linears: bf16, int8 or int4 (weight-only) [bf16]."),
@@ -57,7 +58,8 @@ def serve_edge(
                      bandwidth_mbps=bandwidth_mbps, latency_ms=latency_ms, max_new_tokens=max_new_tokens,
                      max_tokens_limit=max_tokens_limit, max_body_bytes=max_body_bytes, temperature=temperature,
                      top_p=top_p, seed=seed, local_sink_tokens=local_sink_tokens,
-                     cache_dir=str(cache_dir) if cache_dir else None, dtype=dtype, device=device, weights=weights,
+                     cache_dir=str(cache_dir) if cache_dir else None, dtype=dtype, catalog=catalog, device=device,
+                     weights=weights,
                      api_key=api_key,
                      max_batch=max_batch, max_queue=max_queue, served_model_name=served_model_name,
                      max_kv_mb=max_kv_mb, peer_kv=peer_kv, prepack=prepack)

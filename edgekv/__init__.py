@@ -3,7 +3,7 @@
 The package follows the data flow, one folder per stage, lowest first:
 
     text ─▶ models ─▶ attention ─▶ align ─▶ kv ─▶ serve ─▶ eval
-    (texts.py and the shared helpers: atomic, config, progress, plots, summary, this file's EdgeKVError)
+    (texts.py and the shared helpers: atomic, cluster (Ray), config, progress, plots, summary, this file's EdgeKVError)
 
 - `models/`    loading any model, tokenizer checks, model structure (heads, rotary), per-layer capture
 - `attention/` a prefix's KV as a read-only Cache and request caches over it, relay and fused attention, the

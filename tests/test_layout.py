@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "edgekv"
 # text → models → attention → align → kv → serve → eval (edgekv/__init__.py says it in words)
 STAGES = {"models": 1, "attention": 2, "align": 3, "kv": 4, "serve": 5, "eval": 6}
-HELPERS = {"__init__", "atomic", "config", "progress", "plots", "summary", "texts"}  # shared, rank 0
+HELPERS = {"__init__", "atomic", "cluster", "config", "progress", "plots", "summary", "texts"}  # shared, rank 0
 REEXPORTS = {"similarity", "pruning"}  # former public paths, for callers outside the project
 
 

@@ -78,12 +78,24 @@ class CompressConfig:
     calib_offset: int = 0
     tar: bool = False
     seed: int = 0
+    prompts: str | None = None  # JSONL of {"name", "system_prompt"}: one export each, into --catalog
+    catalog: str | None = None  # a catalog URL or folder (edgekv.kv.catalog) for --prompts
+    ray: str | None = None  # --prompts on Ray: "" a local cluster, "auto" or an address to join one
+    workers: int = 2  # Ray actors (each loads the models once)
 
     def validate(self) -> None:
         """One-line errors for out-of-range values, before any model is loaded."""
-        if not self.out:
+        if (self.prompts is None) != (self.catalog is None):
+            raise EdgeKVError("--prompts and --catalog go together (a batch of system prompts into a catalog)")
+        if self.prompts is not None and (self.system_prompt is not None or self.tar):
+            raise EdgeKVError("--prompts takes its system prompts from the file (no --system-prompt or --tar)")
+        if self.ray is not None and self.prompts is None:
+            raise EdgeKVError("--ray runs --prompts batches (one export per prompt)")
+        if self.workers < 1:
+            raise EdgeKVError(f"--workers must be ≥ 1, got {self.workers}")
+        if self.prompts is None and not self.out:
             raise EdgeKVError("--out is required")
-        if self.system_prompt is None:
+        if self.prompts is None and self.system_prompt is None:
             raise EdgeKVError("--system-prompt is required (TEXT or @FILE)")
         check_ratio(self.prune_ratio)
         if self.window < 1:

@@ -247,6 +247,7 @@ async def _pick_model(pool: ExportPool, name: str | None) -> ServedModel:
     ids = pool.ids()
     if name is None and len(ids) == 1:
         name = ids[0]
+    name = pool.resolve(name) or name
     if name not in ids:
         raise APIError(404, f"the model '{name}' does not exist (GET /v1/models lists them)", param="model",
                        code="model_not_found")

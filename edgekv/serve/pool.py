@@ -48,8 +48,10 @@ class ExportPool:
     """Engines by model id; `get` loads, `evict` keeps the loaded system KV within `max_kv_bytes`."""
 
     def __init__(self, open_session: Callable[[str], EdgeSession], sources: dict[str, str],
-                 max_kv_bytes: int | None = None, max_batch: int = 32, max_queue: int = 256):
+                 max_kv_bytes: int | None = None, max_batch: int = 32, max_queue: int = 256,
+                 aliases: dict[str, str] | None = None):
         self.open_session, self.max_kv_bytes = open_session, max_kv_bytes
+        self.aliases = aliases or {}  # other names of a model id (a catalog entry's key and prompt hash)
         self.max_batch, self.max_queue = max_batch, max_queue
         self.entries = {k: _Entry(v) for k, v in sources.items()}
         self.lock = threading.Lock()
@@ -66,6 +68,10 @@ class ExportPool:
     def add(self, model_id: str, engine: Engine) -> None:
         """An engine already open (never unloaded: there is no source to reload it from)."""
         self.entries[model_id] = _Entry(None, engine, engine.session.system.nbytes)
+
+    def resolve(self, name: str | None) -> str | None:
+        """The model id a request's name means (an id or one of its aliases), or None."""
+        return name if name in self.entries else self.aliases.get(name)
 
     def ids(self) -> list[str]:
         """Every model id, loaded or not."""

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from edgekv import EdgeKVError
 from edgekv.config import command_config
+from edgekv.kv.catalog import Catalog
 from edgekv.models.loading import DTYPES, load_model
 from edgekv.models.prepack import prepack_linears
 from edgekv.serve.engine import SamplingParams, limit_onednn_cache, on_fresh_thread
@@ -24,6 +25,7 @@ class ServeConfig:
     """Everything `edgekv serve-edge` needs."""
 
     edge: str = "default-edge"
+    catalog: str | None = None  # serve every entry of a catalog (edgekv.kv.catalog) as a model id
     kv: str | list[str] | None = None  # export dir, .tar or URL; several (or a folder of them): one model each
     system_prompt: str | None = None  # TEXT or @FILE: required only to prefill locally when no export is readable
     dtype: str = "bfloat16"
@@ -53,7 +55,9 @@ class ServeConfig:
 
     def validate(self) -> None:
         """One-line errors for out-of-range values, before any model is loaded."""
-        if self.kv is None and self.system_prompt is None:
+        if self.catalog is not None and (self.kv is not None or self.batch or self.system_prompt):
+            raise EdgeKVError("--catalog serves its entries over HTTP (no --kv, --batch or --system-prompt)")
+        if self.kv is None and self.system_prompt is None and self.catalog is None:
             raise EdgeKVError("--kv is required (an export directory, .tar or URL)")
         if self.dtype not in DTYPES:
             raise EdgeKVError(f"unknown dtype '{self.dtype}' (choose from {', '.join(DTYPES)})")
@@ -110,6 +114,16 @@ def _open(cfg: ServeConfig) -> EdgeSession | ExportPool:
     if cfg.prepack:
         prepack_linears(edge.model)  # serving never trains or reads the weights; a no-op where unsupported
     system = read_system_prompt(cfg.system_prompt) if cfg.system_prompt else None
+    if cfg.catalog:  # every entry a model id, loaded (fetched and verified) on first use
+        catalog = Catalog(cfg.catalog)
+        rows = catalog.entries()
+        if not rows:
+            raise EdgeKVError(f"--catalog {cfg.catalog}: no entries (its index.jsonl lists none)")
+        budget = None if cfg.max_kv_mb is None else int(cfg.max_kv_mb * 2**20)
+        aliases = {alias: r["name"] for r in rows for alias in (r["key"], r["prompt_sha256"])}
+        return ExportPool(lambda kv: EdgeSession(edge, kv, None, cfg.link(), cfg.cache_dir, cfg.local_sink_tokens),
+                          {r["name"]: catalog.source(r["key"]) for r in rows}, budget, cfg.max_batch, cfg.max_queue,
+                          aliases)
     sources = cfg.kv_list()
     if len(sources) <= 1 and cfg.max_kv_mb is None:
         return EdgeSession(edge, sources[0] if sources else None, system, cfg.link(), cfg.cache_dir,

@@ -1,0 +1,92 @@
+"""Ray as the engine for the parallel work (`--ray [ADDRESS]`): actors that each build their worker once (load the
+models once), tasks that are items (system prompts, eval shards), a task that fails retried on another actor and
+then reported per item, completions in any order. Without Ray the same worker runs the items in this process.
+
+What travels between processes is what Ray moves (the items and plain-dict results); exports themselves go
+through the catalog (safetensors + JSON), never through Ray's object store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from edgekv import EdgeKVError
+
+RETRIES = 2
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError as exc:
+        raise EdgeKVError("--ray needs the ray package (pip install 'edgekv[ray]')") from exc
+    return ray
+
+
+def connect(address: str | None, num_cpus: int | None = None):
+    """Join the Ray cluster at `address` ('auto': the one this machine belongs to), or start a local one."""
+    ray = _ray()
+    if not ray.is_initialized():
+        try:
+            if address:
+                ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            else:
+                ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise EdgeKVError(f"--ray {address or '(local)'}: cannot start or join a Ray cluster ({exc})") from exc
+    return ray
+
+
+def run_items(make_worker: Callable[[], Callable[[object], dict]], items: Iterable, address: str | None = None,
+              workers: int = 1, cpus_per_worker: float = 1.0, on_done: Callable[[dict], None] | None = None,
+              use_ray: bool = True) -> list[dict]:
+    """`worker(item)` for every item, a worker built once per actor (or once here without Ray). A result is
+    the worker's dict plus `item`; an item whose task failed `RETRIES + 1` times is `{"item", "error"}`."""
+    items = list(items)
+    results: list[dict] = []
+
+    def done(result: dict) -> None:
+        results.append(result)
+        if on_done:
+            on_done(result)
+
+    if not use_ray:
+        worker = make_worker()
+        for item in items:
+            try:
+                done({"item": item, **worker(item)})
+            except EdgeKVError as exc:
+                done({"item": item, "error": str(exc)})
+        return results
+    ray = connect(address, num_cpus=None)
+
+    @ray.remote(num_cpus=cpus_per_worker)
+    class Actor:
+        def __init__(self, factory):
+            self.worker = factory()
+
+        def run(self, item):
+            return self.worker(item)
+
+    actors = [Actor.remote(make_worker) for _ in range(max(1, min(workers, len(items))))]
+    pending = {}  # ref → (item, attempts, actor)
+    queue = [(item, 0) for item in items]
+    free = list(actors)
+    while queue or pending:
+        while queue and free:
+            item, attempts = queue.pop(0)
+            actor = free.pop(0)
+            pending[actor.run.remote(item)] = (item, attempts, actor)
+        ready, _ = ray.wait(list(pending), num_returns=1)
+        ref = ready[0]
+        item, attempts, actor = pending.pop(ref)
+        free.append(actor)
+        try:
+            done({"item": item, **ray.get(ref)})
+        except Exception as exc:  # a worker's error or a lost actor: retry, then report this item
+            if attempts < RETRIES:
+                queue.append((item, attempts + 1))
+            else:
+                cause = getattr(exc, "cause", None) or exc
+                done({"item": item, "error": f"{type(cause).__name__}: {str(cause).splitlines()[0]}"})
+    return results

@@ -1,0 +1,118 @@
+"""`edgekv compress --prompts FILE.jsonl --catalog URL`: one export per system prompt into a catalog, each under
+its content address, skipping those already there (resumable, idempotent); a prompt that fails is reported and
+skipped, never left as a half entry (the catalog writes an entry's manifest last)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from edgekv import EdgeKVError
+from edgekv.cluster import run_items
+from edgekv.config import to_dict
+from edgekv.kv.catalog import Catalog, export_key
+from edgekv.kv.compress_job import CompressConfig, run_compress
+from edgekv.kv.export import token_ids_sha256
+from edgekv.models.loading import check_tokenizers, load_pair
+from edgekv.progress import Steps
+
+# settings that never change an export's bytes (where it goes, how it is packaged, where the prompts came from)
+NOT_IDENTITY = {"out", "tar", "system_prompt", "prompts", "catalog", "ray", "workers"}
+
+
+def read_prompts(path: str | Path) -> list[tuple[str, str]]:
+    """(name, system prompt) per JSONL line; a bad line or a repeated name is a one-line error naming it."""
+    rows, seen = [], set()
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise EdgeKVError(f"--prompts {path}: {exc.strerror or exc}") from exc
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise EdgeKVError(f"{path}:{n}: not JSON ({exc.msg})") from exc
+        if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not data["name"] or \
+                not isinstance(data.get("system_prompt"), str) or not data["system_prompt"]:
+            raise EdgeKVError(f"{path}:{n}: needs a non-empty 'name' and 'system_prompt'")
+        if data["name"] in seen:
+            raise EdgeKVError(f"{path}:{n}: the name '{data['name']}' is used twice")
+        seen.add(data["name"])
+        rows.append((data["name"], data["system_prompt"]))
+    if not rows:
+        raise EdgeKVError(f"{path}: no prompts")
+    return rows
+
+
+def _digest(path: str | None) -> str | None:
+    """sha256 of a file, or of a directory's files (a mapping, a saved translator), so the key follows content."""
+    if not path:
+        return None
+    p, h = Path(path), hashlib.sha256()
+    for f in sorted([p] if p.is_file() else (q for q in p.rglob("*") if q.is_file())):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def identity(cfg: CompressConfig, cloud_fingerprint: str, edge_fingerprint: str, prompt_sha256: str) -> dict:
+    """Everything that determines one prompt's export."""
+    settings = {k: v for k, v in to_dict(cfg).items() if k not in NOT_IDENTITY}
+    settings.update(mapping=_digest(cfg.mapping), translator_path=_digest(cfg.translator_path),
+                    calib=_digest(cfg.calib) if cfg.calib else None)
+    return {"cloud": cloud_fingerprint, "edge": edge_fingerprint, "prompt": prompt_sha256, "settings": settings}
+
+
+class PromptWorker:
+    """Compresses one (name, prompt) into the catalog; built once per process (it loads the models)."""
+
+    def __init__(self, cfg: CompressConfig, models=None):
+        self.cfg, self.catalog = cfg, Catalog(cfg.catalog)
+        self.cloud, self.edge = models if models is not None else load_pair(
+            cfg.cloud, cfg.edge, cfg.dtype, cfg.device_map, cfg.device, cfg.weights)
+        check_tokenizers(self.cloud.tokenizer, self.edge.tokenizer)
+
+    def __call__(self, item: tuple[str, str]) -> dict:
+        """{status: computed | skipped, row}; the entry is written, the index left to the caller."""
+        name, prompt = item
+        ids = self.edge.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        sha = token_ids_sha256(ids)
+        key = export_key(identity(self.cfg, self.cloud.fingerprint, self.edge.fingerprint, sha))
+        if self.catalog.has(key):
+            return {"status": "skipped", "row": {"key": key, "name": name, "prompt_sha256": sha}}
+        with tempfile.TemporaryDirectory(prefix="edgekv-batch-") as tmp:
+            one = replace(self.cfg, out=str(Path(tmp) / "kv"), system_prompt=prompt, prompts=None, catalog=None,
+                          tar=False, ray=None, workers=1)
+            run_compress(one, None, (self.cloud, self.edge))
+            row = self.catalog.put(key, name, Path(tmp) / "kv", sha, index=False)
+        return {"status": "computed", "row": row}
+
+
+def run_compress_batch(cfg: CompressConfig, progress=None, models=None) -> dict:
+    """Every prompt of cfg.prompts into cfg.catalog, in this process or on Ray (`cfg.ray`, `cfg.workers` actors
+    that each load the models once); returns {computed, skipped, failed: [{name, error}], entries}. The index is
+    written here, once, from what the workers report (they never race on it)."""
+    prompts = read_prompts(cfg.prompts)
+    catalog = Catalog(cfg.catalog)
+    advance = Steps(progress).task(f"compress → {cfg.catalog}", len(prompts))
+    use_ray = cfg.ray is not None
+    results = run_items(lambda: PromptWorker(cfg, None if use_ray else models), prompts,
+                        address=cfg.ray or None, workers=cfg.workers, on_done=lambda r: advance(), use_ray=use_ray)
+    out = {"computed": 0, "skipped": 0, "failed": [], "entries": []}
+    listed, rows = {r["key"] for r in catalog.entries()}, []
+    for r in sorted(results, key=lambda r: prompts.index(tuple(r["item"]))):
+        name = r["item"][0]
+        if "error" in r:
+            out["failed"].append({"name": name, "error": r["error"]})
+            continue
+        out[r["status"]] += 1
+        out["entries"].append({k: r["row"][k] for k in ("name", "key", "prompt_sha256")})
+        if r["status"] == "computed" or r["row"]["key"] not in listed:  # an entry a killed run left unlisted
+            rows.append({"bytes": None, "created": None, **r["row"]})
+    if rows:
+        catalog.add_to_index(rows)
+    return out
