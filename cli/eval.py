@@ -39,6 +39,9 @@ def eval_(
     load_seconds: Optional[float] = typer.Option(None, help="Length of each load run [20]."),
     shard: Optional[str] = typer.Option(None, help="i/n: answer every n-th request from the i-th (merge the shards "
                                                    "with `edgekv report`)."),
+    ray: Optional[str] = typer.Option(None, help="Run on Ray: 'local' starts one here, 'auto' or an address joins "
+                                      "a cluster; the requests split into --workers shards [in-process]."),
+    workers: Optional[int] = typer.Option(None, help="Ray actors (= shards), each loading the models once [2]."),
     context_budget: Optional[int] = typer.Option(None, help="edge-naive: system-prompt tokens kept [128]."),
     naive_keep: Optional[str] = typer.Option(None, help="edge-naive keeps the head, tail or head-tail [head]."),
 ) -> None:
@@ -51,7 +54,8 @@ def eval_(
                      translator_path=str(translator_path) if translator_path else None, seed=seed,
                      fuser_path=str(fuser_path) if fuser_path else None,
                      load_rates=parse_floats(load_rates), load_seconds=load_seconds, shard=shard,
-                     context_budget=context_budget, naive_keep=naive_keep)
+                     context_budget=context_budget, naive_keep=naive_keep,
+                     ray="" if ray == "local" else ray, workers=workers)
     cfg = load_config(EvalConfig, "eval", config, overrides)
     with progress_bar() as progress:
         result = run_eval(cfg, progress)

@@ -278,7 +278,6 @@ def test_bootstrap_is_seeded_and_covers():
 
 
 def test_shards_merged_equal_one_run(evaluated, tiny_models, data, align_dir, tmp_path):
-    import csv
 
     from edgekv.eval.eval_job import merge_runs
 
@@ -287,9 +286,16 @@ def test_shards_merged_equal_one_run(evaluated, tiny_models, data, align_dir, tm
         run_eval(_cfg(tiny_models, data, align_dir, tmp_path / f"s{i}", strategies=STRATEGIES, shard=f"{i}/2"))
     assert len(read_results(tmp_path / "s1" / "results.jsonl")) == 3 * len(STRATEGIES)  # one of 2 per dataset
     merge_runs([tmp_path / "s2", tmp_path / "s1"], tmp_path / "merged")
+    _same_report(out, tmp_path / "merged")
+
+
+def _same_report(out, merged_dir):
+    """Row for row (timings aside) and summary.csv for summary.csv, a merged report equals the one run."""
+    import csv
+
     timing = {"ttft_s", "total_s", "ms_per_token", "cloud_s", "layer_wait_s", "rss_mb"}
     strip = lambda rows: [{k: v for k, v in r.items() if k not in timing} for r in rows]  # noqa: E731
-    one, merged = read_results(out / "results.jsonl"), read_results(tmp_path / "merged" / "results.jsonl")
+    one, merged = read_results(out / "results.jsonl"), read_results(merged_dir / "results.jsonl")
     assert [(r["dataset"], r["strategy"], r["id"]) for r in merged] == [(r["dataset"], r["strategy"], r["id"])
                                                                          for r in one]
     for a, b in zip(strip(one), strip(merged)):
@@ -297,12 +303,22 @@ def test_shards_merged_equal_one_run(evaluated, tiny_models, data, align_dir, tm
         for k in a:
             assert a[k] == (pytest.approx(b[k], abs=1e-5) if isinstance(a[k], float) else b[k]), k
     timing_cols = ("ttft", "total_s", "ms_per_token", "cloud_s")
-    summary = [list(csv.DictReader((d / "summary.csv").open())) for d in (out, tmp_path / "merged")]
+    summary = [list(csv.DictReader((d / "summary.csv").open())) for d in (out, merged_dir)]
     for a, b in zip(*summary):
         for k in a:
             if not k.startswith(timing_cols):
                 assert a[k] == pytest.approx(b[k], abs=1e-5) if a[k] and b[k] and k not in ("dataset", "strategy") \
                     else a[k] == b[k], k
+
+
+@pytest.mark.slow
+def test_eval_on_ray_equals_the_unsharded_run(evaluated, tiny_models, data, align_dir, tmp_path):
+    """A local Ray cluster, 2 actors (each loads the models once), one shard each, merged: the one run's rows."""
+    out, _ = evaluated
+    result = run_eval(_cfg(tiny_models, data, align_dir, tmp_path / "ray", strategies=STRATEGIES, ray="", workers=2))
+    assert result["rows"] == len(read_results(out / "results.jsonl"))
+    assert sorted(p.name for p in (tmp_path / "ray" / "shards").iterdir()) == ["1", "2"]
+    _same_report(out, tmp_path / "ray")
 
 
 def test_merge_refuses_other_settings_and_missing_shards(evaluated, tmp_path):

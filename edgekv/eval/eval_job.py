@@ -24,7 +24,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -59,6 +59,8 @@ class EvalConfig:
     edge: str = "default-edge"
     dtype: str = "bfloat16"
     device: str = "cpu"  # cpu, cuda or auto
+    ray: str | None = None  # run the shards on Ray: "" a local cluster, "auto" or an address to join one
+    workers: int = 2  # Ray actors = shards (each loads the models once)
     weights: str = "bf16"  # the edge's linears: bf16, int8 or int4 (weight-only, torch's CPU kernels)
     datasets: list[str] = field(default_factory=lambda: ["xsum", "mmlu", "sharegpt"])
     strategies: list[str] = field(default_factory=lambda: ["cloud-only", "edge-only", "edgeprompt", "ce-lslm"])
@@ -109,6 +111,8 @@ class EvalConfig:
             parse_shard(self.shard)
             if self.load_rates:
                 raise EdgeKVError("load runs are not sharded: run them without --shard (or on the merged report)")
+        if self.ray is not None and (self.shard or self.load_rates or self.workers < 1):
+            raise EdgeKVError("--ray makes its own shards (no --shard or --load-rates) and needs --workers ≥ 1")
         if self.context_budget < 1 or self.naive_keep not in TRUNCATIONS:
             raise EdgeKVError(f"context_budget must be ≥ 1 and naive_keep one of {', '.join(TRUNCATIONS)}")
         if not self.datasets or not self.strategies:
@@ -306,7 +310,8 @@ def read_results(path: Path) -> list[dict]:
 
 
 # Keys that choose what is run or reported, not what a row holds: rows made under other values are reusable.
-RESUMABLE_KEYS = {"out", "datasets", "strategies", "limit", "align_config", "load_rates", "load_seconds",
+RESUMABLE_KEYS = {"out", "ray", "workers", "datasets", "strategies", "limit", "align_config", "load_rates",
+                  "load_seconds",
                   "load_dataset", "load_max_tokens", "shard"}
 
 
@@ -338,9 +343,41 @@ def check_lengths(requests: list[Request], runner: Runner, cfg: EvalConfig) -> N
             check_context(m.model.config, n, f"{req.id}: system + user prompt + {tail} continuation tokens")
 
 
+class ShardWorker:
+    """One Ray actor's eval: the models loaded once, then `run_eval` of the shards it is given."""
+
+    def __init__(self, cfg: EvalConfig):
+        self.cfg = cfg
+        self.models = load_pair(cfg.cloud, cfg.edge, cfg.dtype, device=cfg.device, edge_weights=cfg.weights)
+
+    def __call__(self, shard: str) -> dict:
+        """Run one shard ("i/n") into cfg.out/shards/i; the row count."""
+        out = Path(self.cfg.out) / "shards" / shard.split("/")[0]
+        one = replace(self.cfg, shard=shard, out=str(out), ray=None)
+        return {"rows": run_eval(one, None, self.models)["rows"], "out": str(out)}
+
+
+def run_eval_on_ray(cfg: EvalConfig, progress=None) -> dict:
+    """`--ray`: the requests split into `workers` shards, one per actor (resumable: each shard resumes from its
+    own results), then merged by `merge_runs` into cfg.out exactly as `edgekv report` merges hand-run shards."""
+    from edgekv.cluster import run_items
+
+    n = cfg.workers
+    shards = [f"{i}/{n}" for i in range(1, n + 1)]
+    advance = Steps(progress).task(f"eval shards on Ray ({n} actors)", n)
+    results = run_items(lambda: ShardWorker(cfg), shards, address=cfg.ray or None, workers=n,
+                        on_done=lambda r: advance())
+    failed = [f"{r['item']}: {r['error']}" for r in results if "error" in r]
+    if failed:
+        raise EdgeKVError(f"eval shards failed on Ray ({'; '.join(failed)}); rerun to resume them")
+    return merge_runs([Path(cfg.out) / "shards" / s.split("/")[0] for s in shards], Path(cfg.out))
+
+
 def run_eval(cfg: EvalConfig, progress=None, models=None) -> dict:
     """Run (resuming), then write summary.csv, report.md, plots and config.json into cfg.out."""
     cfg.validate()
+    if cfg.ray is not None:
+        return run_eval_on_ray(cfg, progress)
     out = Path(cfg.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -392,7 +429,7 @@ def canonical(rows: list[dict], order: dict[tuple[str, str], tuple[int, int]], s
 
 
 # Settings that may differ between shards of one report; every other setting must match.
-SHARD_KEYS = {"out", "shard"}
+SHARD_KEYS = {"out", "shard", "ray", "workers"}
 
 
 def merge_runs(dirs: list[Path], out: Path) -> dict:
