@@ -99,6 +99,18 @@ def _record_text(record: object, field: str, where: str) -> str:
     raise EdgeKVError(f"{where}: expected a string or an object with a '{field}' string field")
 
 
+def jsonl_records(lines: list[str], path: str | Path) -> list[tuple[int, object]]:
+    """(line number, value) of each non-blank JSONL line; a line that is not JSON is a one-line error naming it."""
+    out = []
+    for number, line in enumerate(lines, start=1):
+        if line.strip():
+            try:
+                out.append((number, json.loads(line)))
+            except json.JSONDecodeError as exc:
+                raise EdgeKVError(f"{path}:{number}: invalid JSON ({exc.msg})") from exc
+    return out
+
+
 def load_text_file(path: str | Path, field: str = "text") -> TextSource:
     """Texts from `.jsonl` (a string or object per line: `field`, or a ShareGPT conversation) or `.txt` (lines)."""
     path = Path(path)
@@ -110,13 +122,7 @@ def load_text_file(path: str | Path, field: str = "text") -> TextSource:
         raise EdgeKVError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
     texts: list[str] = []
     if path.suffix == ".jsonl":
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise EdgeKVError(f"{path}:{number}: invalid JSON ({exc.msg})") from exc
+        for number, record in jsonl_records(lines, path):
             texts.append(_record_text(record, field, f"{path}:{number}"))
     elif path.suffix == ".txt":
         texts = [line for line in lines]

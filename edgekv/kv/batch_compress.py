@@ -5,7 +5,6 @@ skipped, never left as a half entry (the catalog writes an entry's manifest last
 from __future__ import annotations
 
 import hashlib
-import json
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -18,6 +17,7 @@ from edgekv.kv.compress_job import CompressConfig, run_compress
 from edgekv.kv.export import token_ids_sha256
 from edgekv.models.loading import check_tokenizers, load_pair
 from edgekv.progress import Steps
+from edgekv.texts import jsonl_records
 
 # settings that never change an export's bytes (where it goes, how it is packaged, where the prompts came from)
 NOT_IDENTITY = {"out", "tar", "system_prompt", "prompts", "catalog", "ray", "workers"}
@@ -30,13 +30,7 @@ def read_prompts(path: str | Path) -> list[tuple[str, str]]:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise EdgeKVError(f"--prompts {path}: {exc.strerror or exc}") from exc
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            data = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise EdgeKVError(f"{path}:{n}: not JSON ({exc.msg})") from exc
+    for n, data in jsonl_records(lines, path):
         if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not data["name"] or \
                 not isinstance(data.get("system_prompt"), str) or not data["system_prompt"]:
             raise EdgeKVError(f"{path}:{n}: needs a non-empty 'name' and 'system_prompt'")
