@@ -35,17 +35,18 @@ def test_q4k_blocks_load_as_exact_int4():
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_quantized_linear_equals_its_dequantized_weight(weights, rows):
-    """Kernel rows (1, 5) and dense-prefill rows (40 > prefill_rows 16) against x·Ŵᵀ in float64, Ŵ the dequantized
-    weight: tolerance 1e-2 relative (bf16 activations, bf16 scales)."""
+    """Decode-sized and prefill-sized row counts against x·Ŵᵀ in float64, Ŵ the dequantized weight with its scales
+    as the kernel holds them (bf16): tolerance 1e-2 relative (bf16 activations)."""
     torch.manual_seed(0)
     lin = torch.nn.Linear(96, 64).to(torch.bfloat16)
     x = torch.randn(rows, 96, dtype=torch.bfloat16)
     if weights == "int4":
         w4 = qz.int4_rtn(lin.weight)
-        q = qz.Int4Linear(w4, lin.bias, torch.bfloat16, prefill_rows=16)
-        w_hat = q.dequantized().double()
+        q = qz.Int4Linear(w4, lin.bias, torch.bfloat16)
+        held = [t.to(torch.bfloat16).float() for t in (w4.scale, w4.zero)]
+        w_hat = qz.Int4Weight(w4.q, *held).dequantize().double()
     else:
-        q = qz.Int8Linear(lin.weight, lin.bias, torch.bfloat16, prefill_rows=16)
+        q = qz.Int8Linear(lin.weight, lin.bias, torch.bfloat16)
         w_hat = q.q.double() * q.scale.double()[:, None]
     want = x.double() @ w_hat.T + lin.bias.double()
     got = q(x).double()

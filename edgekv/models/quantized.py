@@ -2,11 +2,10 @@
 
 Decode at batch 1 is memory-bound: the edge reads every weight once per token. int4 (group-32 asymmetric,
 w = (q − 8)·scale + zero, q ∈ 0..15) and int8 (per-output-channel symmetric) read 4× / 2× fewer bytes than bf16
-through `torch._weight_int4pack_mm_for_cpu` / `torch._weight_int8pack_mm`. Every row count takes the kernel by
-default: each row's result is then the same function of that row whatever the batch, so a spliced prefix is
-exact against the quantized model's own full prefill. With `prefill_rows = R` a forward of more than R rows (a
-long prefill) dequantizes the weight and runs one dense GEMM instead — faster at a thousand rows, but a row's
-arithmetic then depends on how many rows came with it (`python -m bench.peer_llamacpp` measures both).
+through `torch._weight_int4pack_mm_for_cpu` / `torch._weight_int8pack_mm`. Every row count takes the kernel:
+each row's result is then the same function of that row whatever the batch, so a spliced prefix is exact against
+the quantized model's own full prefill. (Dequantizing for one dense GEMM would prefill a thousand rows about 2×
+faster, but a row's arithmetic would then depend on how many rows came with it; measured by hand, not shipped.)
 
 A GGUF's Q4_K tensors (super-blocks of 256 = 8 sub-blocks of 32, each with a 6-bit scale and min; value =
 d·sc·q − dmin·m) are exactly group-32 asymmetric int4: `q4k_to_int4` loads them with their own scales and zero
@@ -86,56 +85,40 @@ def q4k_to_int4(raw: np.ndarray, out_features: int, in_features: int) -> Int4Wei
 
 
 class Int4Linear(torch.nn.Module):
-    """A linear layer on torch's packed CPU int4 layout (decode) and a nibble copy dequantized for prefill."""
+    """A linear layer on torch's packed CPU int4 layout."""
 
-    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype,
-                 prefill_rows: int | None = None):
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
         n, k = weight.q.shape
-        self.in_features, self.out_features, self.dtype, self.prefill_rows = k, n, dtype, prefill_rows
+        self.in_features, self.out_features, self.dtype = k, n, dtype
         self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(weight.q.to(torch.int32), 1))
-        # the nibble copy (another K·N/2 bytes) exists only for the dense prefill path
-        self.register_buffer("nibbles", None if prefill_rows is None else weight.q[:, ::2] | (weight.q[:, 1::2] << 4))
         self.register_buffer("scales_zeros", torch.stack([weight.scale, weight.zero], -1).transpose(0, 1)
                              .contiguous().to(dtype))
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
 
-    def dequantized(self) -> torch.Tensor:
-        """(N, K) weight in the activation dtype."""
-        q = torch.stack([self.nibbles & 0xF, self.nibbles >> 4], -1).reshape(self.out_features, -1, GROUP)
-        sz = self.scales_zeros.transpose(0, 1)  # (N, K/g, 2)
-        return ((q.to(self.dtype) - 8) * sz[..., :1] + sz[..., 1:]).reshape(self.out_features, self.in_features)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(self.dtype)
-        if self.prefill_rows is not None and flat.shape[0] > self.prefill_rows:
-            y = torch.nn.functional.linear(flat, self.dequantized(), self.bias)
-        else:
-            y = torch._weight_int4pack_mm_for_cpu(flat.contiguous(), self.packed, GROUP, self.scales_zeros)
-            y = y if self.bias is None else y + self.bias
+        flat = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
+        y = torch._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
+        y = y if self.bias is None else y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
 class Int8Linear(torch.nn.Module):
     """A linear layer with per-output-channel symmetric int8 weights (`torch._weight_int8pack_mm` at decode)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                 prefill_rows: int | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
         w = weight.detach().float()
         scale = (w.abs().amax(1) / 127).clamp_min(1e-12)
-        self.in_features, self.out_features, self.dtype, self.prefill_rows = w.shape[1], w.shape[0], dtype, prefill_rows
+        self.in_features, self.out_features, self.dtype = w.shape[1], w.shape[0], dtype
         self.register_buffer("q", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
         self.register_buffer("scale", scale.to(dtype))
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(self.dtype)
-        if self.prefill_rows is not None and flat.shape[0] > self.prefill_rows:
-            y = torch.nn.functional.linear(flat, self.q.to(self.dtype) * self.scale[:, None], self.bias)
-        else:
-            y = torch._weight_int8pack_mm(flat.contiguous(), self.q, self.scale)
-            y = y if self.bias is None else y + self.bias
+        flat = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
+        y = torch._weight_int8pack_mm(flat, self.q, self.scale)
+        y = y if self.bias is None else y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
@@ -147,8 +130,7 @@ def _fits(weights: str, n: int, k: int) -> str | None:
 
 
 @torch.no_grad()  # the weights are parameters: an autograd graph would keep every float32 work copy alive
-def quantize_linears(model: torch.nn.Module, weights: str, exact: dict[str, Int4Weight] | None = None,
-                     prefill_rows: int | None = None) -> dict:
+def quantize_linears(model: torch.nn.Module, weights: str, exact: dict[str, Int4Weight] | None = None) -> dict:
     """Replace every nn.Linear of the decoder and the LM head by its int8/int4 form (in place); a layer whose shape
     the kernel cannot take stays as it is, with one log line. `exact` supplies int4 weights by module name (Q4_K
     from a GGUF). Returns counts: quantized, exact, kept, and the bytes of the linear weights before and after."""
@@ -176,10 +158,10 @@ def quantize_linears(model: torch.nn.Module, weights: str, exact: dict[str, Int4
         if weights == "int4":
             w4 = exact.get(name)
             report["exact_from_gguf"] += w4 is not None
-            new = Int4Linear(w4 if w4 is not None else int4_rtn(linear.weight), linear.bias, dtype, prefill_rows)
+            new = Int4Linear(w4 if w4 is not None else int4_rtn(linear.weight), linear.bias, dtype)
             report["bytes_after"] += new.packed.numel() + new.scales_zeros.numel() * new.scales_zeros.element_size()
         else:
-            new = Int8Linear(linear.weight, linear.bias, dtype, prefill_rows)
+            new = Int8Linear(linear.weight, linear.bias, dtype)
             report["bytes_after"] += new.q.numel() + new.scale.numel() * new.scale.element_size()
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)

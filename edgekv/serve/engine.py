@@ -218,8 +218,8 @@ class Engine:
         self.session, self.max_batch, self.max_queue = session, max_batch, max_queue
         self.max_step_tokens = max_step_tokens
         self.model, self.tokenizer, self.system = session.model, session.edge.tokenizer, session.system
-        # the attention function that runs relay steps and decode steps (decode_attention); a fuse SystemKV and
-        # the session have enabled it already
+        # the attention function that runs relay steps and decode steps (grouped heads folded, keys never
+        # repeated per head); a fuse SystemKV and the session have enabled it already
         enable_fusion(self.model)
         _, kv_heads, head_dim = attn_shape(self.model)
         self.device = model_device(self.model)

@@ -35,7 +35,7 @@ class EdgeSession:
                                                                  local_sink_tokens, peer_kv)
         self.eos_ids = eos_ids(edge)
         # edgekv's attention on the model itself: a full prefill of the same model (generate) then computes what
-        # the session computes (decode steps through decode_attention, query blocks through the flash kernel)
+        # the session computes (decode steps and query blocks through the grouped flash path)
         enable_fusion(self.model)
         self._engine = None
         self._engine_lock = threading.Lock()
