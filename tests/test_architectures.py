@@ -100,14 +100,15 @@ def test_identity_hidden_map_rebuilds_the_edges_kv(models, kind):
 def test_a_block_rebuilt_in_the_wrong_order_is_refused(models, monkeypatch):
     """The structure check catches the old defect: the pre-attention norm applied on a post-LN block."""
     from edgekv.models import structure
+    from edgekv.models.capture import check_kv_reconstruction
     from edgekv.models.loading import load_model
 
     edge = load_model(models["opt-post/edge"], "float32")
     ids = torch.tensor(edge.tokenizer(SYSTEM)["input_ids"])
-    assert structure.check_kv_reconstruction(edge.model, ids) == 0.0
+    assert check_kv_reconstruction(edge.model, ids) == 0.0
     monkeypatch.setattr(structure, "attention_input_norm", lambda layer: layer.self_attn_layer_norm)
     with pytest.raises(EdgeKVError, match=r"rebuilds OPTDecoderLayer KV wrongly \(layer 0"):
-        structure.check_kv_reconstruction(edge.model, ids)
+        check_kv_reconstruction(edge.model, ids)
 
 
 @pytest.mark.parametrize("kind", FAMILIES)

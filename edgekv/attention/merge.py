@@ -23,6 +23,12 @@ def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, l
     return a * o_a.to(dtype) + (1 - a) * o_b.to(dtype)
 
 
+def causal_visible(t: int, s: int, device: torch.device) -> torch.Tensor:
+    """(t, s) bool: query i (the last t of s positions) sees keys 0..s − t + i."""
+    at = torch.arange(s, device=device)
+    return at[None, :] <= at[s - t:, None]
+
+
 def segment_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                       mask: torch.Tensor | None = None, scaling: float | None = None,
                       causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,9 +49,7 @@ def segment_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.to(dtype)
     elif causal and query.shape[-2] > 1:
         t, s = query.shape[-2], k.shape[-2]
-        at = torch.arange(s, device=scores.device)
-        visible = at[None, :] <= at[s - t:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
+        scores = scores.masked_fill(~causal_visible(t, s, scores.device), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     return torch.softmax(scores, dim=-1) @ v, lse
 
@@ -100,7 +104,7 @@ def fast_segment_attention(query: torch.Tensor, keys: torch.Tensor, values: torc
     if visible is not None and visible.dim() < 4:
         visible = visible[(None,) * (4 - visible.dim())]
     if causal and t > 1:
-        tri = torch.arange(s, device=query.device)[None, :] <= torch.arange(s - t, s, device=query.device)[:, None]
+        tri = causal_visible(t, s, query.device)
         visible, reuse = (tri[None, None] if visible is None else visible & tri), False
     if visible is not None and visible.dim() == 4 and visible.shape[1] != 1:  # a mask per head: no folding
         mask = _additive_mask(visible, query.dtype, 1, False)

@@ -4,7 +4,6 @@ skipped, never left as a half entry (the catalog writes an entry's manifest last
 
 from __future__ import annotations
 
-import hashlib
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -15,7 +14,7 @@ from edgekv.config import to_dict
 from edgekv.kv.catalog import Catalog, export_key
 from edgekv.kv.compress_job import CompressConfig, run_compress
 from edgekv.kv.export import token_ids_sha256
-from edgekv.models.loading import check_tokenizers, load_pair
+from edgekv.models.loading import check_tokenizers, files_sha256, load_pair
 from edgekv.progress import Steps
 from edgekv.texts import jsonl_records
 
@@ -47,17 +46,15 @@ def _digest(path: str | None) -> str | None:
     """sha256 of a file, or of a directory's files (a mapping, a saved translator), so the key follows content."""
     if not path:
         return None
-    p, h = Path(path), hashlib.sha256()
-    for f in sorted([p] if p.is_file() else (q for q in p.rglob("*") if q.is_file())):
-        h.update(f.name.encode() + b"\0" + f.read_bytes())
-    return h.hexdigest()
+    p = Path(path)
+    return files_sha256(sorted([p] if p.is_file() else (q for q in p.rglob("*") if q.is_file())))
 
 
 def identity(cfg: CompressConfig, cloud_fingerprint: str, edge_fingerprint: str, prompt_sha256: str) -> dict:
     """Everything that determines one prompt's export."""
     settings = {k: v for k, v in to_dict(cfg).items() if k not in NOT_IDENTITY}
     settings.update(mapping=_digest(cfg.mapping), translator_path=_digest(cfg.translator_path),
-                    calib=_digest(cfg.calib) if cfg.calib else None)
+                    calib=_digest(cfg.calib))
     return {"cloud": cloud_fingerprint, "edge": edge_fingerprint, "prompt": prompt_sha256, "settings": settings}
 
 

@@ -32,12 +32,11 @@ from edgekv.kv.registry import (
     translator_files,
 )
 from edgekv.kv.translators import Translator, split_by_text
-from edgekv.models.capture import capture
+from edgekv.models.capture import capture, check_kv_reconstruction
 from edgekv.models.loading import DTYPES, LoadedModel, check_tokenizers, load_pair, same_model
 from edgekv.models.structure import (
     attn_shape,
     check_context,
-    check_kv_reconstruction,
     rotary_cos_sin,
     split_heads,
 )

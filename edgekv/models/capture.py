@@ -1,4 +1,5 @@
-"""Per-layer activations of a model on calibration token sequences: hidden states, K, V, un-rotated K."""
+"""Per-layer activations of a model on calibration token sequences: hidden states, K, V, un-rotated K; and the
+structure check that rebuilds a model's KV from its captured block inputs."""
 
 from __future__ import annotations
 
@@ -7,7 +8,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from edgekv.models.structure import decoder_layers, rotary_cos_sin, rotate_keys, unrotate_keys
+from edgekv import EdgeKVError
+from edgekv.models.structure import (
+    decoder_layers,
+    kv_from_hidden,
+    merge_heads,
+    rotary_cos_sin,
+    rotate_keys,
+    unrotate_keys,
+)
 
 FEATURES = ("hidden", "hidden_in", "k", "v", "k_unrot", "q", "q_unrot")
 
@@ -140,3 +149,28 @@ def _capture(model, sequences, features, select, on_text, on_output, chunks, hoo
     )
 
 
+def kv_reconstruction_error(model: torch.nn.Module, ids: torch.Tensor) -> list[float]:
+    """Per layer, the relative error max|K̂−K|/max|K| (and the same for V, whichever is larger) of the KV that
+    `kv_from_hidden` rebuilds from each block's captured input against the model's own cache on `ids`."""
+    acts = capture(model, [ids], ("hidden_in", "k", "v"))
+    errors = []
+    with torch.no_grad():
+        for i in range(acts.num_layers):
+            keys, values = kv_from_hidden(model, i, acts.layers["hidden_in"][i])
+            pairs = ((merge_heads(keys).cpu(), acts.layers["k"][i]), (merge_heads(values).cpu(), acts.layers["v"][i]))
+            errors.append(max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) for a, b in pairs))
+    return errors
+
+
+def check_kv_reconstruction(model: torch.nn.Module, ids: torch.Tensor, tol: float | None = None) -> float:
+    """Refuse (one line, naming the block) a model whose KV `kv_from_hidden` cannot rebuild from hidden states;
+    returns the worst relative error. `tol` defaults by dtype (float32 1e-4, else 5e-2)."""
+    if tol is None:
+        tol = 1e-4 if next(model.parameters()).dtype == torch.float32 else 5e-2
+    errors = kv_reconstruction_error(model, ids)
+    worst = max(range(len(errors)), key=errors.__getitem__)
+    if errors[worst] > tol:
+        block = type(decoder_layers(model)[worst]).__name__
+        raise EdgeKVError(f"edgekv rebuilds {block} KV wrongly (layer {worst}: relative error {errors[worst]:.2g} > "
+                          f"{tol:g}); this block structure is not supported")
+    return errors[worst]

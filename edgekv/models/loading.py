@@ -163,6 +163,14 @@ def default_model_dir(alias: str) -> Path:
     return target
 
 
+def files_sha256(files: list[Path]) -> str:
+    """sha256 over named files (each file's name and its own sha256, in the given order)."""
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f"{f.name}:{_file_sha256(f)}\n".encode())
+    return digest.hexdigest()
+
+
 def _file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -186,10 +194,7 @@ def _fingerprint(spec: str, source: str, model: torch.nn.Module) -> str:
     if kind == "dir":  # weights, and the config and tokenizer that say how to read them
         files = sorted(p for p in Path(where).iterdir()
                        if p.suffix in (".safetensors", ".bin", ".pt") or p.name in _DIR_IDENTITY)
-        digest = hashlib.sha256()
-        for f in files:
-            digest.update(f"{f.name}:{_file_sha256(f)}\n".encode())
-        return "files-sha256:" + digest.hexdigest()
+        return "files-sha256:" + files_sha256(files)
     commit = getattr(model.config, "_commit_hash", None) or "unknown-commit"
     return f"hub:{where}@{commit}"
 
@@ -294,10 +299,9 @@ def load_model(spec: str, dtype: str = "bfloat16", device_map: str | None = None
     """Load a causal LM and its tokenizer from an alias, a .gguf file, a local directory or a hub id, onto
     `device` (cpu, cuda, auto) or sharded by an accelerate `device_map`; `weights` int8/int4 swaps its linears
     for weight-only quantized ones (int4 from a GGUF's own Q4_K blocks where it has them)."""
-    from edgekv.models.quantized import WEIGHTS, quantize_linears
+    from edgekv.models.quantized import check_weights, quantize_linears
 
-    if weights not in WEIGHTS:
-        raise EdgeKVError(f"unknown --weights '{weights}' (choose from {', '.join(WEIGHTS)})")
+    check_weights(weights)  # before the load: a typo costs no minute of loading
     from transformers import AutoModelForCausalLM
 
     kwargs: dict = {"dtype": parse_dtype(dtype)}

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from edgekv import EdgeKVError
-from edgekv.models.prepack import page_out
+from edgekv.models.prepack import page_out, trim_heap
+from edgekv.models.structure import model_device
 
 log = logging.getLogger("edgekv")
 WEIGHTS = ("bf16", "int8", "int4")
@@ -129,18 +130,23 @@ def _fits(weights: str, n: int, k: int) -> str | None:
     return None
 
 
+def check_weights(weights: str) -> None:
+    """One line for a `--weights` value that is not one of WEIGHTS."""
+    if weights not in WEIGHTS:
+        raise EdgeKVError(f"unknown --weights '{weights}' (choose from {', '.join(WEIGHTS)})")
+
+
 @torch.no_grad()  # the weights are parameters: an autograd graph would keep every float32 work copy alive
 def quantize_linears(model: torch.nn.Module, weights: str, exact: dict[str, Int4Weight] | None = None) -> dict:
     """Replace every nn.Linear of the decoder and the LM head by its int8/int4 form (in place); a layer whose shape
     the kernel cannot take stays as it is, with one log line. `exact` supplies int4 weights by module name (Q4_K
     from a GGUF). Returns counts: quantized, exact, kept, and the bytes of the linear weights before and after."""
-    if weights not in WEIGHTS:
-        raise EdgeKVError(f"unknown --weights '{weights}' (choose from {', '.join(WEIGHTS)})")
+    check_weights(weights)
     report = {"weights": weights, "quantized": 0, "exact_from_gguf": 0, "kept": [], "bytes_before": 0,
               "bytes_after": 0}
     if weights == "bf16":
         return report
-    if next(model.parameters()).device.type != "cpu":
+    if model_device(model).type != "cpu":
         raise EdgeKVError(f"--weights {weights} uses torch's CPU kernels: run it with --device cpu")
     exact = exact or {}
     dtype = next(model.parameters()).dtype
@@ -167,30 +173,9 @@ def quantize_linears(model: torch.nn.Module, weights: str, exact: dict[str, Int4
         setattr(model.get_submodule(parent) if parent else model, child, new)
         page_out(linear.weight)  # mapped from the weights file: hand its pages back (a tied head's too)
         del linear
-        _trim()  # the float32 work copies are freed into glibc's heap, which keeps them resident unless asked
+        trim_heap()  # the float32 work copies of this layer
         report["quantized"] += 1
     return report
-
-
-def _libc_trim():
-    import ctypes
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-_MALLOC_TRIM = _libc_trim()
-
-
-def _trim() -> None:
-    """Return freed heap memory to the OS (glibc's malloc_trim); a no-op elsewhere."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
 
 
 GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",

@@ -3,7 +3,7 @@
 Translators, the KV decoder and the capture code all need to know how a model lays out its attention; this is
 the one place that knows it (Llama/Qwen/Gemma rotate-half rotary; OPT has none; OPT-350m's blocks normalise
 after attention). A block this module does not know how to read is refused by name, never approximated:
-`check_kv_reconstruction` compares what it rebuilds with the model's own KV.
+`capture.check_kv_reconstruction` compares what it rebuilds with the model's own KV.
 """
 
 from __future__ import annotations
@@ -103,11 +103,15 @@ def check_supported(model: torch.nn.Module) -> None:
     if float(factor) < 1.0:
         raise EdgeKVError(f"{type(model).__name__}: partial rotary (partial_rotary_factor = {factor}) is not "
                           "supported")
-    attn = decoder_layers(model)[0].self_attn
-    missing = [n for n in ("q_proj", "k_proj", "v_proj") if not hasattr(attn, n)]
+    _require_projections(decoder_layers(model)[0].self_attn, ("q_proj", "k_proj", "v_proj"))
+
+
+def _require_projections(attn: torch.nn.Module, names: tuple[str, ...]) -> None:
+    """One line naming the projections an attention module lacks (fused QKV is not supported)."""
+    missing = [n for n in names if not hasattr(attn, n)]
     if missing:
-        raise EdgeKVError(f"{type(model).__name__}: its {type(attn).__name__} has no {'/'.join(missing)} (fused QKV "
-                          "projections are not supported)")
+        raise EdgeKVError(f"{type(attn).__name__} has no {'/'.join(missing)} (fused QKV projections are not "
+                          "supported); refused rather than approximated")
 
 
 def attention_input_norm(layer: torch.nn.Module) -> torch.nn.Module | None:
@@ -128,9 +132,7 @@ def kv_from_hidden(model: torch.nn.Module, layer_index: int, hidden: torch.Tenso
     Differentiable in `hidden` (the trained translator learns through it); callers choose no_grad."""
     layer = decoder_layers(model)[layer_index]
     attn = layer.self_attn
-    if not (hasattr(attn, "k_proj") and hasattr(attn, "v_proj")):
-        raise EdgeKVError(f"edgekv does not know how a {type(attn).__name__} makes its KV (no k_proj/v_proj: "
-                          "fused projections are not supported); refused rather than approximated")
+    _require_projections(attn, ("k_proj", "v_proj"))
     # the projection's float tensor gives dtype and device (a quantized linear holds int buffers and its scales)
     weight = next(t for t in (*attn.k_proj.parameters(), *attn.k_proj.buffers()) if t.is_floating_point())
     norm = attention_input_norm(layer)
@@ -142,45 +144,6 @@ def kv_from_hidden(model: torch.nn.Module, layer_index: int, hidden: torch.Tenso
         keys = attn.k_norm(keys.to(weight.dtype)).float()
     values = split_heads(attn.v_proj(h).float(), kv_heads)
     return apply_rotary(model, keys, start), values
-
-
-def kv_reconstruction_error(model: torch.nn.Module, ids: torch.Tensor) -> list[float]:
-    """Per layer, the relative error max|K̂−K|/max|K| (and the same for V, whichever is larger) of the KV that
-    `kv_from_hidden` rebuilds from each block's captured input against the model's own cache on `ids`."""
-    layers = decoder_layers(model)
-    inputs: list[torch.Tensor] = []
-    hooks = [layer.register_forward_pre_hook(
-        lambda m, args, kwargs: inputs.append(args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
-        for layer in layers]
-    device = next(model.parameters()).device
-    try:
-        with torch.no_grad():
-            cache = model(input_ids=ids[None].to(device), use_cache=True).cache
-    finally:
-        for h in hooks:
-            h.remove()
-    errors = []
-    with torch.no_grad():
-        for i, layer_cache in enumerate(cache.layers):
-            keys, values = kv_from_hidden(model, i, inputs[i][0])
-            pairs = ((keys, layer_cache.keys[0]), (values, layer_cache.values[0]))
-            errors.append(max(float((a - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
-                              for a, b in pairs))
-    return errors
-
-
-def check_kv_reconstruction(model: torch.nn.Module, ids: torch.Tensor, tol: float | None = None) -> float:
-    """Refuse (one line, naming the block) a model whose KV this module cannot rebuild from hidden states;
-    returns the worst relative error. `tol` defaults by dtype (float32 1e-4, else 5e-2)."""
-    if tol is None:
-        tol = 1e-4 if next(model.parameters()).dtype == torch.float32 else 5e-2
-    errors = kv_reconstruction_error(model, ids)
-    worst = max(range(len(errors)), key=errors.__getitem__)
-    if errors[worst] > tol:
-        block = type(decoder_layers(model)[worst]).__name__
-        raise EdgeKVError(f"edgekv rebuilds {block} KV wrongly (layer {worst}: relative error {errors[worst]:.2g} > "
-                          f"{tol:g}); this block structure is not supported")
-    return errors[worst]
 
 
 def context_limit(config) -> int:
