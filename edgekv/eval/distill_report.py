@@ -75,10 +75,11 @@ def write_distill_report(runs: list[Path], out: Path, seed: int = 0) -> dict:
     rows = [r for r in rows if r["strategy"] in keep]
     # a run stopped mid-request (resumable) leaves some strategies of its last request unanswered: compare only
     # requests every strategy of the run answered, so each condition is paired over the same requests
+    answered: dict[tuple[str, str], set[str]] = {}
+    for r in rows:
+        answered.setdefault((r["dataset"], r["id"]), set()).add(r["strategy"])
     ran = {r["strategy"] for r in rows}
-    done = {(d, i) for d, i in {(r["dataset"], r["id"]) for r in rows}
-            if ran <= {r["strategy"] for r in rows if (r["dataset"], r["id"]) == (d, i)}}
-    rows = [r for r in rows if (r["dataset"], r["id"]) in done]
+    rows = [r for r in rows if answered[(r["dataset"], r["id"])] == ran]
     summary = distill_summary(rows, seed)
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "rows.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))

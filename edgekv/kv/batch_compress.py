@@ -95,7 +95,8 @@ def run_compress_batch(cfg: CompressConfig, progress=None, models=None) -> dict:
                         address=cfg.ray or None, workers=cfg.workers, on_done=lambda r: advance(), use_ray=use_ray)
     out = {"computed": 0, "skipped": 0, "failed": [], "entries": []}
     listed, rows = {r["key"] for r in catalog.entries()}, []
-    for r in sorted(results, key=lambda r: prompts.index(tuple(r["item"]))):
+    order = {name: i for i, (name, _) in enumerate(prompts)}  # names are unique (read_prompts)
+    for r in sorted(results, key=lambda r: order[r["item"][0]]):
         name = r["item"][0]
         if "error" in r:
             out["failed"].append({"name": name, "error": r["error"]})

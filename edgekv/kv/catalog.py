@@ -119,9 +119,18 @@ class Catalog:
         self._write_index(rows)
         return rows
 
+    def names(self) -> dict[str, str]:
+        """Every way a request may name an entry → the entry's name."""
+        return {alias: r["name"] for r in self.entries() for alias in _aliases(r)}
+
     def resolve(self, model: str) -> str:
-        """The entry a request names: by name, key or system-prompt hash (a one-line error for none)."""
+        """The key of the entry a request names (a one-line error for none)."""
         for r in self.entries():
-            if model in (r["name"], r["key"], r["prompt_sha256"]):
+            if model in _aliases(r):
                 return r["key"]
         raise KVStoreError(f"{self.url}: no entry named '{model}' (names, keys or prompt hashes)")
+
+
+def _aliases(row: dict) -> tuple[str, str, str]:
+    """An index row's names: its name, its key and its system prompt's hash."""
+    return row["name"], row["key"], row["prompt_sha256"]

@@ -120,7 +120,7 @@ def _open(cfg: ServeConfig) -> EdgeSession | ExportPool:
         if not rows:
             raise EdgeKVError(f"--catalog {cfg.catalog}: no entries (its index.jsonl lists none)")
         budget = None if cfg.max_kv_mb is None else int(cfg.max_kv_mb * 2**20)
-        aliases = {alias: r["name"] for r in rows for alias in (r["key"], r["prompt_sha256"])}
+        aliases = catalog.names()
         return ExportPool(lambda kv: EdgeSession(edge, kv, None, cfg.link(), cfg.cache_dir, cfg.local_sink_tokens),
                           {r["name"]: catalog.source(r["key"]) for r in rows}, budget, cfg.max_batch, cfg.max_queue,
                           aliases)
