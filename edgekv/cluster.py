@@ -23,7 +23,7 @@ def _ray():
     return ray
 
 
-def connect(address: str | None, num_cpus: int | None = None):
+def connect(address: str | None):
     """Join the Ray cluster at `address` ('auto': the one this machine belongs to), or start a local one."""
     ray = _ray()
     if not ray.is_initialized():
@@ -31,7 +31,7 @@ def connect(address: str | None, num_cpus: int | None = None):
             if address:
                 ray.init(address=address, include_dashboard=False, log_to_driver=False)
             else:
-                ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+                ray.init(include_dashboard=False, log_to_driver=False)
         except (ConnectionError, RuntimeError, ValueError) as exc:
             raise EdgeKVError(f"--ray {address or '(local)'}: cannot start or join a Ray cluster ({exc})") from exc
     return ray
@@ -58,7 +58,7 @@ def run_items(make_worker: Callable[[], Callable[[object], dict]], items: Iterab
             except EdgeKVError as exc:
                 done({"item": item, "error": str(exc)})
         return results
-    ray = connect(address, num_cpus=None)
+    ray = connect(address)
 
     @ray.remote(num_cpus=cpus_per_worker)
     class Actor:
