@@ -33,13 +33,18 @@ def distill(
     dtype: Optional[str] = typer.Option(None, help="bfloat16, float16 or float32 [bfloat16]."),
     device: Optional[str] = typer.Option(None, help="cpu, cuda or auto (CUDA when torch sees a GPU) [cpu]."),
     seed: Optional[int] = typer.Option(None, help="Seed [0]."),
+    catalog: Optional[str] = typer.Option(None, help="Also put each export in this catalog (folder or fsspec URL)."),
+    ray: Optional[str] = typer.Option(None, help="Run --prompts on Ray: 'local' starts one here, 'auto' or an "
+                                      "address joins a cluster [in-process]."),
+    workers: Optional[int] = typer.Option(None, help="Ray actors, each loading the models once [2]."),
     config: Optional[Path] = typer.Option(None, help="YAML config (flags override it) [configs/distill.yaml]."),
 ) -> None:
     """Train an edge-shaped system-prompt KV so the edge predicts what the teacher predicts reading the prompt."""
     overrides = dict(system_prompt=system_prompt, prompts=str(prompts) if prompts else None,
                      out=str(out) if out else None, cloud=cloud, edge=edge, teacher=teacher, length=length,
                      compress=compress, rule=rule, param=param, rank=rank, samples=samples, steps=steps, lr=lr,
-                     quant=quant, dtype=dtype, device=device, seed=seed)
+                     quant=quant, dtype=dtype, device=device, seed=seed, catalog=catalog,
+                     ray="" if ray == "local" else ray, workers=workers)
     cfg = load_config(DistillConfig, "distill", config, overrides)
     with progress_bar() as progress:
         summary = run_distill(cfg, progress)

@@ -320,3 +320,33 @@ def test_the_papers_opt_pair_plans_from_real_configs_without_weights():
     assert all(0 <= c < 32 for _, c in pairs) and [c for _, c in pairs] == sorted(c for _, c in pairs)
     # a 1,024-token system prompt: edge-shaped fp16 KV of the 12 deep layers, K and V, 32 heads × 64 channels
     assert sum(raw_fp16_bytes(1024, 32, 64) for _ in pairs) == 12 * 2 * 1024 * 32 * 64 * 2
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_decode_step_is_the_models_forward_bit_for_bit(kind, dtype):
+    """`DecodeStep` (one token without transformers' wrapper) gives the model's own logits and KV, bit for bit,
+    on every layout it takes (Llama, Qwen2); the others (OPT, Gemma's scaled embeddings) are not taken."""
+    from edgekv.attention.fuse import enable_fusion
+    from edgekv.attention.prefix_kv import PrefixKV
+    from edgekv.models.decode_step import DecodeStep
+
+    model = tiny(kind, 3, 32, seed=5).to(dtype)
+    enable_fusion(model)
+    step = DecodeStep.for_model(model)
+    if kind not in ("llama", "qwen2"):
+        assert step is None
+        return
+    assert step is not None
+    prefix = PrefixKV.of_model(model, torch.arange(3, 40))
+    caches = prefix.request_cache(), prefix.request_cache()
+    token, position = torch.tensor([7]), prefix.next_position
+    with torch.no_grad():
+        for _ in range(6):
+            want = model(input_ids=token[None], cache=caches[0], position_ids=torch.tensor([[position]]),
+                         use_cache=True, logits_to_keep=1).logits[0, -1]
+            got = step(token, position, caches[1])
+            assert torch.equal(got, want)
+            token, position = want.argmax()[None], position + 1
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

@@ -158,3 +158,43 @@ def test_prompts_file_is_resumable_and_skips_failures(pair, tmp_path):
     mtime = (tmp_path / "d" / "a" / "kv" / "manifest.json").stat().st_mtime
     run_distill(cfg, models=(cloud, edge))
     assert (tmp_path / "d" / "a" / "kv" / "manifest.json").stat().st_mtime == mtime  # done prompts are skipped
+
+
+def _two_prompts(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"name": "a", "system_prompt": PROMPT}) + "\n"
+                    + json.dumps({"name": "b", "system_prompt": PROMPT[::-1]}) + "\n")
+    return str(path)
+
+
+def test_prompts_go_to_a_catalog_once(pair, tmp_path):
+    """Each finished export is also a catalog entry (keyed by what determines it); a rerun adds nothing."""
+    from edgekv.kv.catalog import Catalog
+
+    cfg = _cfg(tmp_path, system_prompt=None, prompts=_two_prompts(tmp_path), steps=2, catalog=str(tmp_path / "cat"))
+    run_distill(cfg, models=pair)
+    rows = Catalog(cfg.catalog).entries()
+    assert sorted(r["name"] for r in rows) == ["a", "b"] and len({r["key"] for r in rows}) == 2
+    for r in rows:  # the entry is the export, verified like any export
+        KVExport(str(tmp_path / "cat" / r["key"])).verify_all()
+    run_distill(cfg, models=pair)
+    assert Catalog(cfg.catalog).entries() == rows
+    other = _cfg(tmp_path, system_prompt=None, prompts=_two_prompts(tmp_path), steps=3, out=str(tmp_path / "d3"),
+                 catalog=str(tmp_path / "cat"))
+    run_distill(other, models=pair)  # another recipe is another key, never an overwrite
+    assert len(Catalog(cfg.catalog).entries()) == 4
+
+
+@pytest.mark.slow
+def test_distill_on_ray_equals_in_process(tiny_models, tmp_path):
+    """A local Ray cluster (2 actors, each loading both models once): the same exports as in this process."""
+    base = dict(system_prompt=None, prompts=_two_prompts(tmp_path), steps=4, cloud=tiny_models["cloud"],
+                edge=tiny_models["edge"])
+    here = run_distill(_cfg(tmp_path, out=str(tmp_path / "here"), **base))
+    there = run_distill(_cfg(tmp_path, out=str(tmp_path / "there"), ray="", workers=2, **base))
+    assert there["done"] == 2 and not there["failed"]
+    for name in ("a", "b"):
+        assert here["reports"][name]["distilled"]["held_out_kl"] == there["reports"][name]["distilled"]["held_out_kl"]
+        a, b = KVExport(str(tmp_path / "here" / name / "kv")), KVExport(str(tmp_path / "there" / name / "kv"))
+        assert a.layer_indices == b.layer_indices
+        assert all(a.layer_bytes(i) == b.layer_bytes(i) for i in a.layer_indices)

@@ -21,7 +21,9 @@ from safetensors.torch import load_file
 
 from edgekv import EdgeKVError
 from edgekv.atomic import write_tensors_atomic, write_text_atomic
+from edgekv.cluster import run_items
 from edgekv.config import command_config, to_dict
+from edgekv.kv.catalog import Catalog, export_key
 from edgekv.kv.compress_job import encode_layer, model_info, same_model_layers
 from edgekv.kv.distill import (
     RULES,
@@ -87,11 +89,18 @@ class DistillConfig:
     prune_ratio: float = 0.0  # ThinK on top of the trained KV
     window: int = 32
     seed: int = 0
+    catalog: str | None = None  # also put each finished export in this catalog (a folder or fsspec URL)
+    ray: str | None = None  # --prompts on Ray: "" a local cluster, "auto" or an address to join one
+    workers: int = 2  # Ray actors (each loads the models once)
 
     def validate(self) -> None:
         """One-line errors before any model is loaded."""
         if (self.system_prompt is None) == (self.prompts is None):
             raise EdgeKVError("give exactly one of --system-prompt and --prompts")
+        if self.ray is not None and self.prompts is None:
+            raise EdgeKVError("--ray runs --prompts batches (one export per prompt)")
+        if self.workers < 1:
+            raise EdgeKVError(f"--workers must be ≥ 1, got {self.workers}")
         if self.teacher not in ("cloud", "self"):
             raise EdgeKVError(f"--teacher must be 'cloud' or 'self', got '{self.teacher}'")
         if self.rule not in RULES:
@@ -286,34 +295,74 @@ def _export(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, student
             "distilled": distilled}
 
 
+# settings that never change an export's bytes (where things go, where the prompts came from, what runs them)
+NOT_IDENTITY = {"out", "system_prompt", "prompts", "synthetic_dir", "catalog", "ray", "workers"}
+
+
+class DistillWorker:
+    """Distils one (name, prompt) under `cfg.out` (and into `cfg.catalog`); built once per process (it loads the
+    edge, and the cloud only for the cloud teacher)."""
+
+    def __init__(self, cfg: DistillConfig, models: tuple[LoadedModel | None, LoadedModel] | None = None,
+                 progress=None):
+        self.cfg, self.steps = cfg, Steps(progress)
+        if models is not None:
+            cloud, self.edge = models
+        else:
+            self.edge = load_model(cfg.edge, cfg.dtype, device=cfg.device)
+            cloud = load_model(cfg.cloud, cfg.dtype, device=cfg.device) if cfg.teacher == "cloud" else None
+        self.teacher = self.edge if cfg.teacher == "self" else cloud
+        check_tokenizers(self.teacher.tokenizer, self.edge.tokenizer)
+        self.catalog = Catalog(cfg.catalog) if cfg.catalog else None
+
+    def __call__(self, item: tuple[str, str]) -> dict:
+        """{report, row}: the prompt's report (its loss log left out) and, with a catalog, its index row."""
+        name, prompt = item
+        report = distill_one(self.cfg, self.edge, self.teacher, name, prompt, self.steps)
+        row = None
+        if self.catalog is not None:  # keyed like compress's entries: everything that determines the bytes
+            sha = token_ids_sha256(self.edge.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+            settings = {k: v for k, v in to_dict(self.cfg).items() if k not in NOT_IDENTITY}
+            key = export_key({"edge": self.edge.fingerprint, "teacher": self.teacher.fingerprint, "prompt": sha,
+                              "settings": settings, "distill": True})
+            row = {"key": key, "name": name, "prompt_sha256": sha, "computed": False}
+            if not self.catalog.has(key):
+                row = {**self.catalog.put(key, name, report["out"], sha, index=False), "computed": True}
+        return {"report": {k: v for k, v in report.items() if k != "log"}, "row": row}
+
+
 def run_distill(cfg: DistillConfig, progress=None, models: tuple[LoadedModel, LoadedModel] | None = None) -> dict:
-    """Distil every prompt (skipping those already done); a failed prompt is reported and skipped, never left as a
-    half export. `models` = (cloud, edge) already loaded; the cloud is never loaded for `--teacher self`."""
+    """Distil every prompt (skipping those already done), in this process or on Ray (`cfg.ray`: `cfg.workers`
+    actors that each load the models once; the folders under `cfg.out` must then be one file system for all, or
+    give `cfg.catalog`); a failed prompt is reported and skipped, never left as a half export. `models` = (cloud,
+    edge) already loaded (in-process only); the cloud is never loaded for `--teacher self`."""
     cfg.validate()
     prompts = read_prompts(cfg)
-    if models is not None:
-        cloud, edge = models
-    else:
-        edge = load_model(cfg.edge, cfg.dtype, device=cfg.device)
-        cloud = load_model(cfg.cloud, cfg.dtype, device=cfg.device) if cfg.teacher == "cloud" else None
-    teacher = edge if cfg.teacher == "self" else cloud
-    check_tokenizers(teacher.tokenizer, edge.tokenizer)
+    use_ray = cfg.ray is not None
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "config.json", json.dumps(to_dict(cfg), indent=1))
-    steps = Steps(progress)
-    advance = steps.task("distil system prompts", len(prompts))
-    reports, failed = {}, {}
-    for name, prompt in prompts:
-        try:
-            reports[name] = distill_one(cfg, edge, teacher, name, prompt, steps)
-        except EdgeKVError as exc:
+    advance = Steps(progress).task("distil system prompts", len(prompts))
+    worker = None if use_ray else DistillWorker(cfg, models, progress)  # loads (and checks) before any prompt
+    results = run_items(lambda: worker or DistillWorker(cfg), prompts, address=cfg.ray or None,
+                        workers=cfg.workers, on_done=lambda r: advance(), use_ray=use_ray)
+    order = {name: i for i, (name, _) in enumerate(prompts)}  # names are unique (read_prompts)
+    reports, failed, rows = {}, {}, []
+    listed = {r["key"] for r in Catalog(cfg.catalog).entries()} if cfg.catalog else set()
+    for r in sorted(results, key=lambda r: order[r["item"][0]]):
+        name = r["item"][0]
+        if "error" in r:
             if len(prompts) == 1:
-                raise
-            failed[name] = str(exc)
-            log.warning("%s: %s (skipped)", name, exc)
-        advance()
-    summary = {"prompts": len(prompts), "done": len(reports), "failed": failed,
-               "reports": {n: {k: v for k, v in r.items() if k != "log"} for n, r in reports.items()}}
+                raise EdgeKVError(r["error"])
+            failed[name] = r["error"]
+            log.warning("%s: %s (skipped)", name, r["error"])
+            continue
+        reports[name] = r["report"]
+        row = dict(r["row"] or {})
+        if row and (row.pop("computed") or row["key"] not in listed):  # or an entry a killed run left unlisted
+            rows.append({"bytes": None, "created": None, **row})
+    if rows:
+        Catalog(cfg.catalog).add_to_index(rows)
+    summary = {"prompts": len(prompts), "done": len(reports), "failed": failed, "reports": reports}
     write_text_atomic(out / "summary.json", json.dumps(summary, indent=1))
     return summary

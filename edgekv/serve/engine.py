@@ -28,6 +28,7 @@ import torch
 from edgekv import EdgeKVError
 from edgekv.attention.fuse import enable_fusion
 from edgekv.attention.relay import RelayBatch, relay_cache
+from edgekv.models.decode_step import DecodeStep
 from edgekv.models.structure import attn_shape, model_device
 
 if TYPE_CHECKING:  # the session imports the engine (it decodes through it); the engine only reads a session
@@ -221,6 +222,8 @@ class Engine:
         # the attention function that runs relay steps and decode steps (grouped heads folded, keys never
         # repeated per head); a fuse SystemKV and the session have enabled it already
         enable_fusion(self.model)
+        # one-request decode tokens skip the transformers wrapper where the layout allows (same logits, bit for bit)
+        self._decode_step = None if relay else DecodeStep.for_model(self.model)
         _, kv_heads, head_dim = attn_shape(self.model)
         self.device = model_device(self.model)
         self._empty = torch.zeros(1, kv_heads, 0, head_dim, dtype=self.system.dtype, device=self.device)
@@ -392,6 +395,8 @@ class Engine:
             logits = self.model(input_ids=ids, cache=relay_cache(batch, s.num_layers, s.prefix_len),
                                 position_ids=positions, use_cache=True, logits_to_keep=keep_rows,
                                 relay=batch).logits[0]
+        elif self._decode_step is not None and ids.shape[1] == 1 and not s.attention_kwargs():
+            logits = self._decode_step(ids[0], int(positions[0, 0]), work[0][0].cache)[None]
         else:  # one request over its own cache of the system KV (waits are counted by the cache itself)
             last_only = keep == [ids.shape[1] - 1]
             logits = self.model(input_ids=ids, cache=work[0][0].cache, position_ids=positions,
