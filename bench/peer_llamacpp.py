@@ -200,6 +200,29 @@ def server_throughput(a, path: Path, system: list[int]) -> dict:
     return out
 
 
+def headline(results: dict) -> dict:
+    """The issue's keys, edgekv vs llama.cpp, for the weights serve-edge uses by default and for int4 (the
+    weights the decode goal is set on)."""
+    from edgekv.serve.serve_job import ServeConfig
+
+    peer = results.get("llama.cpp", {})
+
+    def keys(weights: str) -> dict:
+        mine = results.get(f"edgekv:{weights}", {})
+        pair = lambda r, k, scale=1: None if k not in r else r[k] * scale  # noqa: E731
+        return {"decode_ms_per_token": {"edgekv": pair(mine, "decode_ms_per_token"),
+                                        "llama.cpp": pair(peer, "decode_ms_per_token")},
+                "ttft_prefix_reuse_ms": {"edgekv": pair(mine, "ttft_prefix_reuse_s", 1e3),
+                                         "llama.cpp": pair(peer, "ttft_prefix_reuse_s", 1e3)},
+                "throughput_16_clients_tok_s": {
+                    "edgekv": mine.get("throughput", {}).get("16", {}).get("tokens_per_s"),
+                    "llama.cpp": peer.get("throughput", {}).get("16", {}).get("tokens_per_s")},
+                "rss_mb": {"edgekv": mine.get("rss_mb"), "llama.cpp": peer.get("rss_mb")}}
+
+    default = ServeConfig().weights
+    return {"default_weights": default, **keys(default), "int4": keys("int4")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--weights", default="bf16,int8,int4")
@@ -252,15 +275,7 @@ def main() -> None:
         print(f"{cond} / llama.cpp: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios[cond].items()
                                                     if not isinstance(v, dict)))
     report["ratios_vs_llama_cpp"] = ratios
-    default = "int4"
-    mine = results.get(f"edgekv:{default}", {})
-    report["default_weights"] = default
-    for key, name in (("decode_ms_per_token", "decode_ms_per_token"), ("ttft_prefix_reuse_s", "ttft_prefix_reuse_ms")):
-        scale = 1e3 if name.endswith("_ms") and key.endswith("_s") else 1
-        report[name] = {"edgekv": mine.get(key, float("nan")) * scale, "llama.cpp": peer.get(key, float("nan")) * scale}
-    report["throughput_16_clients_tok_s"] = {
-        "edgekv": mine.get("throughput", {}).get("16", {}).get("tokens_per_s"),
-        "llama.cpp": peer.get("throughput", {}).get("16", {}).get("tokens_per_s")}
+    report.update(headline(results))
     if a.json:
         write_text_atomic(a.json, json.dumps(report, indent=1))
 

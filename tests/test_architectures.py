@@ -345,8 +345,8 @@ def test_the_decode_step_is_the_models_forward_bit_for_bit(kind, dtype):
         for _ in range(6):
             want = model(input_ids=token[None], cache=caches[0], position_ids=torch.tensor([[position]]),
                          use_cache=True, logits_to_keep=1).logits[0, -1]
-            got = step(token, position, caches[1])
-            assert torch.equal(got, want)
+            got = step(token[None], torch.tensor([[position]]), caches[1])
+            assert torch.equal(got[-1], want)
             token, position = want.argmax()[None], position + 1
     for a, b in zip(caches[0].layers, caches[1].layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

@@ -223,3 +223,23 @@ def test_on_fresh_thread_returns_or_raises_what_the_function_did_on_another_thre
     assert on_fresh_thread(threading.get_ident) != me
     with pytest.raises(EdgeKVError, match="bad export"):
         on_fresh_thread(lambda: (_ for _ in ()).throw(EdgeKVError("bad export")))
+
+
+def test_the_engines_step_without_the_wrapper_equals_the_models_forward(session):
+    """Relay steps (prompt chunks and decode tokens of many requests) and one-request decode tokens through
+    `DecodeStep` give the model's own forward's tokens and log-probs exactly."""
+    def run(fast: bool, relay: bool) -> list:
+        engine = Engine(session, max_batch=8 if relay else 1, max_step_tokens=7, background=False, relay=relay)
+        assert engine._decode_step is not None  # the tiny edge is a Qwen2
+        if not fast:
+            engine._decode_step = None
+        reqs = [GenRequest(session.encode_user(p), SamplingParams(max_new_tokens=6), logprobs=2, echo=True)
+                for p in (PROMPTS if relay else PROMPTS[:2])]
+        try:
+            out = engine.generate_all(reqs)
+        finally:
+            engine.close()
+        return [(r.token_ids, [(t.logprob, t.top) for t in r.tokens], [t.logprob for t in r.prompt[1:]]) for r in out]
+
+    for relay in (True, False):
+        assert run(True, relay) == run(False, relay)

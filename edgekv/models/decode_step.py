@@ -1,12 +1,13 @@
-"""One decode token through the edge without the framework around it (issue: the edge decodes as fast as
+"""One engine step through the edge without the framework around it (issue: the edge decodes as fast as
 llama.cpp). At batch 1 a step of the 0.5B edge spent ~9 ms of ~33 (int4) outside any op (bench.decode_profile):
 transformers' per-call machinery (output capturing, config-default merging, keyword deprecation shims, mask
 construction, cache dispatch) around 24 layers. `DecodeStep` calls the same submodules (norms, projections, MLP,
 rotary embedding, head: the prepacked or quantized linears included) and the same attention kernel as
 `fused_attention`'s decode path, in the same order, so its logits are the model's own bit for bit (tested), for
 the layouts whose block is exactly `h += attn(norm(h)); h += mlp(norm(h))` with rotary q/k and nothing else
-(Llama, Qwen2, Mistral). Anything else, a step with cloud segments, or more than one token goes through the
-model's forward as before.
+(Llama, Qwen2, Mistral). Every relay step (decode tokens and prompt chunks of many requests: relay attention masks
+each request itself) and a one-request decode token take it; anything else (other layouts, a one-request prompt
+block, a one-request step with cloud segments) goes through the model's forward as before.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import sys
 import torch
 
 from edgekv.attention.merge import can_flash, fast_segment_attention
+from edgekv.attention.relay import relay_attention
 
 # model families whose decoder block is the plain pre-LN rotary block this step reproduces
 FAMILIES = ("llama", "qwen2", "mistral")
 
 
 class DecodeStep:
-    """`step(token, position, cache)` → the next-token logits (vocab,), the model's forward without its wrapper."""
+    """`step(ids, positions, cache, keep, relay)` → logits, the model's forward without its wrapper."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -53,20 +55,30 @@ class DecodeStep:
         return cls(model)
 
     @torch.no_grad()
-    def __call__(self, token: torch.Tensor, position: int, cache) -> torch.Tensor:
-        """Logits (vocab,) of the token after `token` (a (1,) id) at `position`; appends its KV to `cache`."""
-        h = self.embed(token.view(1, 1))
-        cos, sin = self.rotary(h, torch.tensor([[position]], device=h.device))
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache, keep: torch.Tensor | None = None,
+                 relay=None) -> torch.Tensor:
+        """Logits (rows, vocab) after the step's tokens `ids` (1, T) at `positions` (1, T), of the rows `keep`
+        (default: the last); appends their KV to `cache`. Without `relay` (a `RelayBatch`, whose attention masks
+        each request itself) a step is one decode token over its request's own cache."""
+        t = ids.shape[1]
+        if relay is None and t != 1:
+            raise ValueError("without relay attention a step is one token (a block needs the model's mask)")
+        h = self.embed(ids)
+        cos, sin = self.rotary(h, positions)
         d = self.head_dim
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(1, 1, -1, d).transpose(1, 2)
-            k = attn.k_proj(x).view(1, 1, -1, d).transpose(1, 2)
-            v = attn.v_proj(x).view(1, 1, -1, d).transpose(1, 2)
+            q = attn.q_proj(x).view(1, t, -1, d).transpose(1, 2)
+            k = attn.k_proj(x).view(1, t, -1, d).transpose(1, 2)
+            v = attn.v_proj(x).view(1, t, -1, d).transpose(1, 2)
             q, k = self.rotate(q, k, cos, sin)
             keys, values = cache.layers[i].update(k, v)
-            out, _ = fast_segment_attention(q, keys, values, None, attn.scaling)
-            h = h + attn.o_proj(out.transpose(1, 2).reshape(1, 1, -1))
+            if relay is not None:
+                out = relay_attention(attn, q, relay, attn.scaling)
+            else:
+                out = fast_segment_attention(q, keys, values, None, attn.scaling)[0].transpose(1, 2)
+            h = h + attn.o_proj(out.reshape(1, t, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.head(self.norm(h))[0, -1]
+        h = self.norm(h)
+        return self.head(h[:, -1:] if keep is None else h[:, keep])[0]

@@ -222,8 +222,9 @@ class Engine:
         # the attention function that runs relay steps and decode steps (grouped heads folded, keys never
         # repeated per head); a fuse SystemKV and the session have enabled it already
         enable_fusion(self.model)
-        # one-request decode tokens skip the transformers wrapper where the layout allows (same logits, bit for bit)
-        self._decode_step = None if relay else DecodeStep.for_model(self.model)
+        # relay steps and one-request decode tokens skip transformers' wrapper where the layout allows (the same
+        # logits, bit for bit)
+        self._decode_step = DecodeStep.for_model(self.model)
         _, kv_heads, head_dim = attn_shape(self.model)
         self.device = model_device(self.model)
         self._empty = torch.zeros(1, kv_heads, 0, head_dim, dtype=self.system.dtype, device=self.device)
@@ -392,11 +393,12 @@ class Engine:
 
         if self.relay:
             batch = RelayBatch(shared, [q.own for q, _ in work], q_lens, s.segments)
-            logits = self.model(input_ids=ids, cache=relay_cache(batch, s.num_layers, s.prefix_len),
-                                position_ids=positions, use_cache=True, logits_to_keep=keep_rows,
-                                relay=batch).logits[0]
-        elif self._decode_step is not None and ids.shape[1] == 1 and not s.attention_kwargs():
-            logits = self._decode_step(ids[0], int(positions[0, 0]), work[0][0].cache)[None]
+            cache = relay_cache(batch, s.num_layers, s.prefix_len)
+            logits = self._decode_step(ids, positions, cache, keep_rows, relay=batch) if self._decode_step else \
+                self.model(input_ids=ids, cache=cache, position_ids=positions, use_cache=True,
+                           logits_to_keep=keep_rows, relay=batch).logits[0]
+        elif self._decode_step is not None and ids.shape[1] == 1 and not s.attention_kwargs():  # one decode token
+            logits = self._decode_step(ids, positions, work[0][0].cache)
         else:  # one request over its own cache of the system KV (waits are counted by the cache itself)
             last_only = keep == [ids.shape[1] - 1]
             logits = self.model(input_ids=ids, cache=work[0][0].cache, position_ids=positions,
