@@ -78,6 +78,23 @@ def time_eval(mode: str, n: int, tmp: Path) -> float:
     return time.perf_counter() - start
 
 
+def plot(out: dict, path: Path) -> None:
+    """Wall seconds against items, one panel per workload, a line per mode (measured points, fitted line)."""
+    from edgekv.plots import plt, save_figure  # headless matplotlib
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, work in zip(axes, ("compress", "eval")):
+        for mode, r in out[work].items():
+            xs = [0, max(r["sizes"])]
+            label = f"{mode}: {r['fixed_s']:.0f} s + {r['per_item_s']:.2f} s/item"
+            line = ax.plot(r["sizes"], r["wall_s"], "o", label=label)
+            ax.plot(xs, [r["fixed_s"] + r["per_item_s"] * x for x in xs], "--", color=line[0].get_color())
+        ax.set(title=f"{work} ({'system prompts' if work == 'compress' else 'requests'})", xlabel="items",
+               ylabel="wall s")
+        ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="2,4", help="prompts per batch compress (two or more sizes)")
@@ -129,6 +146,7 @@ def main() -> None:
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(a.json, json.dumps(out, indent=1))
+        plot(out, a.json.with_suffix(".png"))
 
 
 if __name__ == "__main__":

@@ -327,9 +327,9 @@ def test_the_papers_opt_pair_plans_from_real_configs_without_weights():
 def test_the_decode_step_is_the_models_forward_bit_for_bit(kind, dtype):
     """`DecodeStep` (one token without transformers' wrapper) gives the model's own logits and KV, bit for bit,
     on every layout it takes (Llama, Qwen2); the others (OPT, Gemma's scaled embeddings) are not taken."""
+    from edgekv.attention.decode_step import DecodeStep
     from edgekv.attention.fuse import enable_fusion
     from edgekv.attention.prefix_kv import PrefixKV
-    from edgekv.models.decode_step import DecodeStep
 
     model = tiny(kind, 3, 32, seed=5).to(dtype)
     enable_fusion(model)

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from edgekv import EdgeKVError
+from edgekv.attention.decode_step import DecodeStep
 from edgekv.attention.fuse import enable_fusion
 from edgekv.attention.relay import RelayBatch, relay_cache
-from edgekv.models.decode_step import DecodeStep
 from edgekv.models.structure import attn_shape, model_device
 
 if TYPE_CHECKING:  # the session imports the engine (it decodes through it); the engine only reads a session
