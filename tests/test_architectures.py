@@ -323,21 +323,25 @@ def test_the_papers_opt_pair_plans_from_real_configs_without_weights():
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_decode_step_is_the_models_forward_bit_for_bit(kind, dtype):
-    """`DecodeStep` (one token without transformers' wrapper) gives the model's own logits and KV, bit for bit,
-    on every layout it takes (Llama, Qwen2); the others (OPT, Gemma's scaled embeddings) are not taken."""
+@pytest.mark.parametrize("dtype,weights", [(torch.float32, "bf16"), (torch.bfloat16, "bf16"), (torch.bfloat16, "int4")])
+def test_the_decode_step_is_the_models_forward_bit_for_bit(kind, dtype, weights):
+    """`DecodeStep` (one token without transformers' wrapper; int4 q/k/v joined into one product) gives the
+    model's own logits and KV, bit for bit, on every layout it takes (Llama, Qwen2); the others (OPT, Gemma's
+    scaled embeddings) are not taken."""
     from edgekv.attention.decode_step import DecodeStep
     from edgekv.attention.fuse import enable_fusion
     from edgekv.attention.prefix_kv import PrefixKV
+    from edgekv.models.quantized import quantize_linears
 
-    model = tiny(kind, 3, 32, seed=5).to(dtype)
+    model = tiny(kind, 3, 128, seed=5).to(dtype)  # Qwen2's k/v rows (2 × 32) fill int4's 64-row pack blocks
+    quantize_linears(model, weights)
     enable_fusion(model)
     step = DecodeStep.for_model(model)
     if kind not in ("llama", "qwen2"):
         assert step is None
         return
     assert step is not None
+    assert (step.qkv is not None) == (weights == "int4" and kind == "qwen2")  # Llama's head_dim 16: 32 k/v rows
     prefix = PrefixKV.of_model(model, torch.arange(3, 40))
     caches = prefix.request_cache(), prefix.request_cache()
     token, position = torch.tensor([7]), prefix.next_position

@@ -138,3 +138,17 @@ def test_int4_real_edge_splice_equals_its_own_full_prefill(tmp_path):
             want = edge.model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
                                        pad_token_id=0)[0, len(ids):].tolist()
         assert session.complete(user, SamplingParams(max_new_tokens=16)).token_ids == want
+
+
+def test_int4_linears_join_only_on_whole_pack_blocks():
+    """q/k/v joined into one int4 product: bit-equal to the three on any row count where every part but the last
+    fills whole 64-row pack blocks; refused (None) where a part would straddle a block."""
+    from edgekv.models.quantized import Int4Linear, int4_rtn
+
+    torch.manual_seed(0)
+    make = lambda n: Int4Linear(int4_rtn(torch.randn(n, 96)), torch.randn(n), torch.bfloat16)  # noqa: E731
+    parts = [make(128), make(64), make(48)]
+    joined = Int4Linear.concat(parts)
+    x = torch.randn(5, 96).to(torch.bfloat16)
+    assert joined is not None and torch.equal(joined(x), torch.cat([m(x) for m in parts], -1))
+    assert Int4Linear.concat([make(32), make(64)]) is None

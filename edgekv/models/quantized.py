@@ -27,6 +27,7 @@ from edgekv.models.structure import model_device
 log = logging.getLogger("edgekv")
 WEIGHTS = ("bf16", "int8", "int4")
 GROUP = 32
+CPU_PACK_ROWS = 64  # output channels per block of torch's packed CPU int4 layout
 
 
 @dataclass
@@ -96,6 +97,28 @@ class Int4Linear(torch.nn.Module):
         self.register_buffer("scales_zeros", torch.stack([weight.scale, weight.zero], -1).transpose(0, 1)
                              .contiguous().to(dtype))
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+
+    @classmethod
+    def concat(cls, parts: list[Int4Linear]) -> Int4Linear | None:
+        """One linear computing `parts` side by side (their outputs concatenated), or None when they cannot be
+        joined. torch's CPU layout packs output channels in blocks of 64, so parts whose rows fill whole blocks
+        (all but the last) join as their own bytes, and each output column is the same product as in its part;
+        the join is checked on a random row (bit-equal) before it is used."""
+        if len({(m.in_features, m.dtype, m.bias is None) for m in parts}) != 1 or \
+                any(m.out_features % CPU_PACK_ROWS for m in parts[:-1]):
+            return None
+        out = cls.__new__(cls)
+        torch.nn.Module.__init__(out)
+        out.in_features, out.out_features, out.dtype = parts[0].in_features, sum(m.out_features for m in parts), \
+            parts[0].dtype
+        out.register_buffer("packed", torch.cat([m.packed for m in parts]))
+        out.register_buffer("scales_zeros", torch.cat([m.scales_zeros for m in parts], 1))
+        out.register_buffer("bias", None if parts[0].bias is None else torch.cat([m.bias for m in parts]))
+        with torch.no_grad():
+            x = torch.randn(1, out.in_features, generator=torch.Generator().manual_seed(0)).to(out.dtype)
+            if not torch.equal(out(x), torch.cat([m(x) for m in parts], -1)):
+                return None
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(self.dtype).contiguous()

@@ -343,7 +343,8 @@ class Engine:
             self.running = []
         return True
 
-    @torch.no_grad()
+    @torch.inference_mode()  # every tensor a step makes stays with the engine (its requests' caches, its logits):
+    # no autograd bookkeeping per op (~1 ms a decode token on the 0.5B edge, measured)
     def _step(self, admitted: list[Sequence]) -> None:
         """One forward over the step's tokens: one decode token per running request, then prompt chunks of
         prefilling requests (oldest first) up to `max_step_tokens`."""
