@@ -198,3 +198,22 @@ def test_distill_on_ray_equals_in_process(tiny_models, tmp_path):
         a, b = KVExport(str(tmp_path / "here" / name / "kv")), KVExport(str(tmp_path / "there" / name / "kv"))
         assert a.layer_indices == b.layer_indices
         assert all(a.layer_bytes(i) == b.layer_bytes(i) for i in a.layer_indices)
+
+
+def test_the_planner_takes_distilled_exports_as_candidates(pair, tmp_path):
+    """A distilled export is a candidate like any other (the planner reads its layers and bytes): every layer
+    shipped from the cloud side, and a P/2 student half the bytes, picked on a slow link when within budget."""
+    from edgekv.eval.network import candidate_from_export, plan, predict
+    from edgekv.serve.pipeline import Link
+    from tests.test_network import _profile
+
+    run_distill(_cfg(tmp_path, steps=1, out=str(tmp_path / "full")), models=pair)
+    run_distill(_cfg(tmp_path, steps=1, compress=2, out=str(tmp_path / "half")), models=pair)
+    full = candidate_from_export(str(tmp_path / "full" / "prompt" / "kv"), "ce-lslm-distill", 0.01)
+    half = candidate_from_export(str(tmp_path / "half" / "prompt" / "kv"), "ce-lslm-distill@c2", 0.015)
+    assert full.start_layer == half.start_layer == 0 and set(full.layer_bytes) == set(range(3))
+    assert half.bytes < 0.6 * full.bytes
+    slow = Link(0.01, 20.0)  # 10 kbit/s: bytes decide
+    assert predict(half, _profile(), slow) < predict(full, _profile(), slow)
+    assert plan([full, half], _profile(), slow, max_quality_loss=0.02)[0] is half
+    assert plan([full, half], _profile(), slow, max_quality_loss=0.012)[0] is full  # the budget rules half out
