@@ -40,23 +40,24 @@ def connect(address: str | None):
 def run_items(make_worker: Callable[[], Callable[[object], dict]], items: Iterable, address: str | None = None,
               workers: int = 1, cpus_per_worker: float = 1.0, on_done: Callable[[dict], None] | None = None,
               use_ray: bool = True) -> list[dict]:
-    """`worker(item)` for every item, a worker built once per actor (or once here without Ray). A result is
-    the worker's dict plus `item`; an item whose task failed `RETRIES + 1` times is `{"item", "error"}`."""
+    """`worker(item)` for every item, a worker built once per actor (or once here without Ray), results in the
+    items' order (`on_done` sees them as they complete). A result is the worker's dict plus `item`; an item whose
+    task failed `RETRIES + 1` times is `{"item", "error"}`."""
     items = list(items)
-    results: list[dict] = []
+    results: list[dict | None] = [None] * len(items)
 
-    def done(result: dict) -> None:
-        results.append(result)
+    def done(k: int, result: dict) -> None:
+        results[k] = result
         if on_done:
             on_done(result)
 
     if not use_ray:
         worker = make_worker()
-        for item in items:
+        for k, item in enumerate(items):
             try:
-                done({"item": item, **worker(item)})
+                done(k, {"item": item, **worker(item)})
             except EdgeKVError as exc:
-                done({"item": item, "error": str(exc)})
+                done(k, {"item": item, "error": str(exc)})
         return results
     ray = connect(address)
 
@@ -69,24 +70,24 @@ def run_items(make_worker: Callable[[], Callable[[object], dict]], items: Iterab
             return self.worker(item)
 
     actors = [Actor.remote(make_worker) for _ in range(max(1, min(workers, len(items))))]
-    pending = {}  # ref → (item, attempts, actor)
-    queue = [(item, 0) for item in items]
+    pending = {}  # ref → (index, attempts, actor)
+    queue = [(k, 0) for k in range(len(items))]
     free = list(actors)
     while queue or pending:
         while queue and free:
-            item, attempts = queue.pop(0)
+            k, attempts = queue.pop(0)
             actor = free.pop(0)
-            pending[actor.run.remote(item)] = (item, attempts, actor)
+            pending[actor.run.remote(items[k])] = (k, attempts, actor)
         ready, _ = ray.wait(list(pending), num_returns=1)
         ref = ready[0]
-        item, attempts, actor = pending.pop(ref)
+        k, attempts, actor = pending.pop(ref)
         free.append(actor)
         try:
-            done({"item": item, **ray.get(ref)})
+            done(k, {"item": items[k], **ray.get(ref)})
         except Exception as exc:  # a worker's error or a lost actor: retry, then report this item
             if attempts < RETRIES:
-                queue.append((item, attempts + 1))
+                queue.append((k, attempts + 1))
             else:
                 cause = getattr(exc, "cause", None) or exc
-                done({"item": item, "error": f"{type(cause).__name__}: {str(cause).splitlines()[0]}"})
+                done(k, {"item": items[k], "error": f"{type(cause).__name__}: {str(cause).splitlines()[0]}"})
     return results

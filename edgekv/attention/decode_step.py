@@ -28,7 +28,6 @@ class DecodeStep:
     """`step(ids, positions, cache, keep, relay)` → logits, the model's forward without its wrapper."""
 
     def __init__(self, model: torch.nn.Module):
-        self.model = model
         base = model.model
         self.embed, self.norm, self.rotary, self.head = base.embed_tokens, base.norm, base.rotary_emb, model.lm_head
         self.layers = list(base.layers)

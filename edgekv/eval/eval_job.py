@@ -311,8 +311,7 @@ def read_results(path: Path) -> list[dict]:
 
 # Keys that choose what is run or reported, not what a row holds: rows made under other values are reusable.
 RESUMABLE_KEYS = {"out", "ray", "workers", "datasets", "strategies", "limit", "align_config", "load_rates",
-                  "load_seconds",
-                  "load_dataset", "load_max_tokens", "shard"}
+                  "load_seconds", "load_dataset", "load_max_tokens", "shard"}
 
 
 def check_resumable(out: Path, cfg: EvalConfig) -> None:

@@ -94,17 +94,14 @@ def run_compress_batch(cfg: CompressConfig, progress=None, models=None) -> dict:
     results = run_items(lambda: PromptWorker(cfg, None if use_ray else models), prompts,
                         address=cfg.ray or None, workers=cfg.workers, on_done=lambda r: advance(), use_ray=use_ray)
     out = {"computed": 0, "skipped": 0, "failed": [], "entries": []}
-    listed, rows = {r["key"] for r in catalog.entries()}, []
-    order = {name: i for i, (name, _) in enumerate(prompts)}  # names are unique (read_prompts)
-    for r in sorted(results, key=lambda r: order[r["item"][0]]):
+    written = []
+    for r in results:
         name = r["item"][0]
         if "error" in r:
             out["failed"].append({"name": name, "error": r["error"]})
             continue
         out[r["status"]] += 1
         out["entries"].append({k: r["row"][k] for k in ("name", "key", "prompt_sha256")})
-        if r["status"] == "computed" or r["row"]["key"] not in listed:  # an entry a killed run left unlisted
-            rows.append({"bytes": None, "created": None, **r["row"]})
-    if rows:
-        catalog.add_to_index(rows)
+        written.append((r["row"], r["status"] == "computed"))
+    catalog.list_written(written)
     return out

@@ -82,6 +82,15 @@ class Catalog:
         keys = {r["key"] for r in rows}
         self._write_index([r for r in self.entries() if r["key"] not in keys] + rows)
 
+    def list_written(self, rows: list[tuple[dict, bool]]) -> None:
+        """List what workers wrote or found, given as (row, computed now): every computed entry, and any found
+        entry not listed yet (one a killed run left unlisted); rows without bytes/created get them as None."""
+        listed = {r["key"] for r in self.entries()}
+        new = [{"bytes": None, "created": None, **row} for row, computed in rows
+               if computed or row["key"] not in listed]
+        if new:
+            self.add_to_index(new)
+
     def entries(self) -> list[dict]:
         """The index rows (none for an empty catalog); a torn last line is left out."""
         path = self._path(INDEX)

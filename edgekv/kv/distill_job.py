@@ -42,7 +42,7 @@ from edgekv.models.loading import DTYPES, LoadedModel, check_tokenizers, load_mo
 from edgekv.models.structure import context_limit
 from edgekv.plots import loss_curve
 from edgekv.progress import Steps
-from edgekv.texts import read_system_prompt
+from edgekv.texts import jsonl_records, read_system_prompt
 
 log = logging.getLogger("edgekv")
 
@@ -127,13 +127,10 @@ def read_prompts(cfg: DistillConfig) -> list[tuple[str, str]]:
     except OSError as exc:
         raise EdgeKVError(f"cannot read --prompts {path}: {exc.strerror or exc}") from exc
     out, seen = [], set()
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+    for n, row in jsonl_records(lines, path):
         try:
-            row = json.loads(line)
             name, text = str(row["name"]), str(row["system_prompt"])
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        except (KeyError, TypeError) as exc:
             raise EdgeKVError(f"{path}:{n}: expected {{\"name\", \"system_prompt\"}} ({type(exc).__name__})") from exc
         if not name or "/" in name or name.startswith(".") or name in seen:
             raise EdgeKVError(f"{path}:{n}: name '{name}' is empty, repeated, hidden or has a '/'")
@@ -316,19 +313,20 @@ class DistillWorker:
         self.catalog = Catalog(cfg.catalog) if cfg.catalog else None
 
     def __call__(self, item: tuple[str, str]) -> dict:
-        """{report, row}: the prompt's report (its loss log left out) and, with a catalog, its index row."""
+        """{report, row, computed}: the prompt's report (its loss log left out) and, with a catalog, its index row
+        and whether this call put the entry there."""
         name, prompt = item
         report = distill_one(self.cfg, self.edge, self.teacher, name, prompt, self.steps)
-        row = None
+        row, computed = None, False
         if self.catalog is not None:  # keyed like compress's entries: everything that determines the bytes
             sha = token_ids_sha256(self.edge.tokenizer(prompt, add_special_tokens=True)["input_ids"])
             settings = {k: v for k, v in to_dict(self.cfg).items() if k not in NOT_IDENTITY}
             key = export_key({"edge": self.edge.fingerprint, "teacher": self.teacher.fingerprint, "prompt": sha,
                               "settings": settings, "distill": True})
-            row = {"key": key, "name": name, "prompt_sha256": sha, "computed": False}
-            if not self.catalog.has(key):
-                row = {**self.catalog.put(key, name, report["out"], sha, index=False), "computed": True}
-        return {"report": {k: v for k, v in report.items() if k != "log"}, "row": row}
+            row, computed = {"key": key, "name": name, "prompt_sha256": sha}, not self.catalog.has(key)
+            if computed:
+                row = self.catalog.put(key, name, report["out"], sha, index=False)
+        return {"report": {k: v for k, v in report.items() if k != "log"}, "row": row, "computed": computed}
 
 
 def run_distill(cfg: DistillConfig, progress=None, models: tuple[LoadedModel, LoadedModel] | None = None) -> dict:
@@ -343,13 +341,11 @@ def run_distill(cfg: DistillConfig, progress=None, models: tuple[LoadedModel, Lo
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "config.json", json.dumps(to_dict(cfg), indent=1))
     advance = Steps(progress).task("distil system prompts", len(prompts))
-    worker = None if use_ray else DistillWorker(cfg, models, progress)  # loads (and checks) before any prompt
-    results = run_items(lambda: worker or DistillWorker(cfg), prompts, address=cfg.ray or None,
-                        workers=cfg.workers, on_done=lambda r: advance(), use_ray=use_ray)
-    order = {name: i for i, (name, _) in enumerate(prompts)}  # names are unique (read_prompts)
-    reports, failed, rows = {}, {}, []
-    listed = {r["key"] for r in Catalog(cfg.catalog).entries()} if cfg.catalog else set()
-    for r in sorted(results, key=lambda r: order[r["item"][0]]):
+    results = run_items(lambda: DistillWorker(cfg, None if use_ray else models, None if use_ray else progress),
+                        prompts, address=cfg.ray or None, workers=cfg.workers, on_done=lambda r: advance(),
+                        use_ray=use_ray)
+    reports, failed, written = {}, {}, []
+    for r in results:
         name = r["item"][0]
         if "error" in r:
             if len(prompts) == 1:
@@ -358,11 +354,10 @@ def run_distill(cfg: DistillConfig, progress=None, models: tuple[LoadedModel, Lo
             log.warning("%s: %s (skipped)", name, r["error"])
             continue
         reports[name] = r["report"]
-        row = dict(r["row"] or {})
-        if row and (row.pop("computed") or row["key"] not in listed):  # or an entry a killed run left unlisted
-            rows.append({"bytes": None, "created": None, **row})
-    if rows:
-        Catalog(cfg.catalog).add_to_index(rows)
+        if r["row"] is not None:
+            written.append((r["row"], r["computed"]))
+    if cfg.catalog:
+        Catalog(cfg.catalog).list_written(written)
     summary = {"prompts": len(prompts), "done": len(reports), "failed": failed, "reports": reports}
     write_text_atomic(out / "summary.json", json.dumps(summary, indent=1))
     return summary

@@ -91,12 +91,17 @@ class Int4Linear(torch.nn.Module):
 
     def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
-        n, k = weight.q.shape
-        self.in_features, self.out_features, self.dtype = k, n, dtype
-        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(weight.q.to(torch.int32), 1))
-        self.register_buffer("scales_zeros", torch.stack([weight.scale, weight.zero], -1).transpose(0, 1)
-                             .contiguous().to(dtype))
-        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+        self._hold(torch._convert_weight_to_int4pack_for_cpu(weight.q.to(torch.int32), 1),
+                   torch.stack([weight.scale, weight.zero], -1).transpose(0, 1).contiguous().to(dtype),
+                   None if bias is None else bias.detach().to(dtype), weight.q.shape[1], dtype)
+
+    def _hold(self, packed: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None, in_features: int,
+              dtype: torch.dtype) -> None:
+        """The kernel's operands: packed rows (one per output channel), (K/g, N, 2) scales and zeros, bias."""
+        self.in_features, self.out_features, self.dtype = in_features, packed.shape[0], dtype
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_zeros", scales_zeros)
+        self.register_buffer("bias", bias)
 
     @classmethod
     def concat(cls, parts: list[Int4Linear]) -> Int4Linear | None:
@@ -109,11 +114,9 @@ class Int4Linear(torch.nn.Module):
             return None
         out = cls.__new__(cls)
         torch.nn.Module.__init__(out)
-        out.in_features, out.out_features, out.dtype = parts[0].in_features, sum(m.out_features for m in parts), \
-            parts[0].dtype
-        out.register_buffer("packed", torch.cat([m.packed for m in parts]))
-        out.register_buffer("scales_zeros", torch.cat([m.scales_zeros for m in parts], 1))
-        out.register_buffer("bias", None if parts[0].bias is None else torch.cat([m.bias for m in parts]))
+        out._hold(torch.cat([m.packed for m in parts]), torch.cat([m.scales_zeros for m in parts], 1),
+                  None if parts[0].bias is None else torch.cat([m.bias for m in parts]), parts[0].in_features,
+                  parts[0].dtype)
         with torch.no_grad():
             x = torch.randn(1, out.in_features, generator=torch.Generator().manual_seed(0)).to(out.dtype)
             if not torch.equal(out(x), torch.cat([m(x) for m in parts], -1)):
