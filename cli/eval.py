@@ -25,7 +25,8 @@ def eval_(
     strategies: Optional[str] = typer.Option(
         None, help="cloud-only, edge-only, edge-naive, edgeprompt, ce-lslm[:mapping], ce-lslm-fuse, "
                    "ce-lslm-distill[:nosum], edgeprompt-selfdistill, edgeprompt-truncate; edgeprompt/ce-lslm take "
-                   "@RATIO/CODEC (ce-lslm@0.25/int4), the distilled ones @c<N> (a student of P/N tokens)."),
+                   "@RATIO/CODEC (ce-lslm@0.25/int4), the distilled ones @c<N> (a student of P/N tokens) "
+                   "and/or s<S> (S training steps): @c8s120."),
     limit: Optional[int] = typer.Option(None, help="Requests per dataset [20]."),
     out: Optional[Path] = typer.Option(None, help="Report directory (resumes from its results.jsonl)."),
     max_new_tokens: Optional[int] = typer.Option(None, help="Tokens generated per answer [32]."),
@@ -65,10 +66,11 @@ def eval_(
 
 @one_line_errors
 def report(
-    runs: list[Path] = typer.Argument(..., help="Eval run directories: the shards of one report (--shard i/n)."),
+    runs: list[Path] = typer.Argument(..., help="Eval run directories: the shards of one report (--shard i/n) "
+                                                   "or runs of disjoint --dataset lists."),
     out: Path = typer.Option(..., help="Directory of the merged report."),
 ) -> None:
-    """Merge the shards of an eval run into one report (refuses shards made with other settings)."""
+    """Merge the shards or per-dataset runs of an eval into one report (refuses runs made with other settings)."""
     result = merge_runs(runs, out)
     console.print(table_ii(result["summary"]))
     console.print(f"{result['rows']} rows → {out}/results.jsonl, summary.csv, paired.csv, report.md")

@@ -164,6 +164,9 @@ def test_requests_are_seeded_and_filtered(data):
     assert [r.id for r in a] == [r.id for r in b]
     short = load_requests("xsum", tok, 3, seed=1, source=data["xsum"], min_system_tokens=8, max_system_tokens=50)
     assert all(len(tok(r.system)["input_ids"]) <= 50 for r in short)
+    head = load_requests("xsum", tok, 4, source=data["xsum"], min_system_tokens=8, xsum_records=2)
+    tail = load_requests("xsum", tok, 4, source=data["xsum"], min_system_tokens=8, xsum_from=2)
+    assert sorted(r.id for r in head) == ["0", "1"] and sorted(r.id for r in tail) == ["2", "3"]  # a tuning split
     with pytest.raises(EdgeKVError, match="no rows left after filtering"):
         load_requests("xsum", tok, 3, source=data["xsum"], min_system_tokens=10_000)
     with pytest.raises(EdgeKVError, match="dataset file not found"):
@@ -338,6 +341,28 @@ def test_merge_refuses_other_settings_and_missing_shards(evaluated, tmp_path):
     assert not (tmp_path / "m" / "report.md").exists()
 
 
+def test_runs_split_by_dataset_merge_into_one_report(evaluated, tmp_path):
+    """Runs made with --dataset xsum and --dataset mmlu,sharegpt merge into the one run's report; overlapping
+    dataset lists are refused."""
+    import shutil
+
+    out, _ = evaluated
+    rows = read_results(out / "results.jsonl")
+    for name, datasets in (("a", ["xsum"]), ("b", ["mmlu", "sharegpt"]), ("c", ["sharegpt"])):
+        shutil.copytree(out, tmp_path / name, ignore=shutil.ignore_patterns("work"))
+        config = json.loads((tmp_path / name / "config.json").read_text())
+        (tmp_path / name / "config.json").write_text(json.dumps(dict(config, datasets=datasets)))
+        (tmp_path / name / "results.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in rows if r["dataset"] in datasets))
+    result = runner.invoke(app, ["report", str(tmp_path / "b"), str(tmp_path / "a"), "--out", str(tmp_path / "m")])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["datasets"] == ["mmlu", "sharegpt", "xsum"]
+    assert sorted(map(json.dumps, read_results(tmp_path / "m" / "results.jsonl"))) == sorted(map(json.dumps, rows))
+    result = runner.invoke(app, ["report", str(tmp_path / "b"), str(tmp_path / "c"), "--out", str(tmp_path / "x")])
+    assert result.exit_code == 1 and "overlap" in result.output and len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "x").exists()
+
+
 def test_naive_truncation_respects_the_budget():
     from edgekv.eval.datasets import truncate_prompt
 
@@ -387,8 +412,9 @@ def test_distilled_strategies_run_and_truncate_is_edgeprompt_of_the_head(tiny_mo
     distill = tmp_path / "distill.yaml"
     distill.write_text("distill:\n  samples: 1\n  max_answer_tokens: 6\n  steps: 2\n  eval_every: 1\n  quant: fp32\n")
     strategies = ["edgeprompt", "ce-lslm-distill", "ce-lslm-distill@c4", "edgeprompt-selfdistill@c4",
-                  "edgeprompt-truncate@c4", "ce-lslm-distill:nosum@c4"]
-    for bad in ("ce-lslm-distill@c0", "ce-lslm-distill@0.5/int8", "edgeprompt-truncate:nosum"):
+                  "edgeprompt-truncate@c4", "ce-lslm-distill:nosum@c4", "ce-lslm-distill@c4s3"]
+    for bad in ("ce-lslm-distill@c0", "ce-lslm-distill@0.5/int8", "edgeprompt-truncate:nosum",
+                "edgeprompt-truncate@c4s3", "ce-lslm-distill@s0", "ce-lslm-distill@s3c4"):
         with pytest.raises(EdgeKVError, match="unknown strategy"):
             _cfg(tiny_models, data, align_dir, tmp_path / "x", strategies=[bad]).validate()
     out = tmp_path / "run"
@@ -408,6 +434,9 @@ def test_distilled_strategies_run_and_truncate_is_edgeprompt_of_the_head(tiny_mo
     manifest = json.loads(exports[0].read_text())
     assert manifest["kv_tokens"] == -(-manifest["system_prompt"]["num_tokens"] // 4) == manifest["next_position"]
     assert manifest["distilled"]["steps"] == 0
+    steps = {p.parent.parent.parent.parent.name: json.loads(p.read_text())["distilled"]["steps"]
+             for p in (out / "work" / "exports").glob("*/*/prompt/kv/manifest.json")}
+    assert steps["ce-lslm-distill-c4s3"] == 3 and steps["ce-lslm-distill-c4"] == 2  # @s<S> overrides the config
 
 
 def test_distill_summary_pairs_and_gap_closed():

@@ -153,16 +153,17 @@ def sharegpt(source: str | None = None, offset: int = 5000, scan: int = 3000) ->
 def load_requests(name: str, tokenizer, limit: int, seed: int = 0, source: str | None = None,
                   max_system_tokens: int = 512, min_system_tokens: int = 32, max_user_tokens: int = 192,
                   mmlu_subjects: int = 4, sharegpt_offset: int = 5000,
-                  xsum_records: int | None = None) -> list[Request]:
+                  xsum_records: int | None = None, xsum_from: int = 0) -> list[Request]:
     """`limit` seeded requests of one dataset that pass the token filters; long system prompts are truncated to
     `max_system_tokens` (from the start, keeping whole tokens). MMLU draws from `mmlu_subjects` seeded subjects,
-    so that questions share their subject's system prompt as in the paper's setting. XSum draws from the first
-    `xsum_records` records only (None: all). A smaller `limit` gives a prefix of a larger one's requests."""
+    so that questions share their subject's system prompt as in the paper's setting. XSum draws from records
+    `xsum_from`..`xsum_records` − 1 only (None: to the end). A smaller `limit` gives a prefix of a larger one's
+    requests."""
     if name not in DATASETS:
         raise EdgeKVError(f"unknown dataset '{name}' (choose from {', '.join(DATASETS)})")
     rows = DATASETS[name](source, offset=sharegpt_offset) if name == "sharegpt" else DATASETS[name](source)
-    if name == "xsum" and xsum_records is not None:
-        rows = rows[:xsum_records]
+    if name == "xsum":
+        rows = rows[xsum_from:xsum_records]
     rng = random.Random(seed)
     if name == "mmlu" and mmlu_subjects:
         subjects = sorted({r.id.rsplit("-", 1)[0] for r in rows})

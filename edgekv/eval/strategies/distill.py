@@ -1,7 +1,8 @@
 """Strategies whose export is a distilled, edge-native system-prompt KV (`edgekv distill`): EdgePrompt's format and
 speed, trained so the edge reading it predicts what a teacher predicts reading the whole prompt.
 
-- `ce-lslm-distill`: the cloud teaches a student of every prompt token (P' = P); `@c<N>`: of P/N tokens;
+- `ce-lslm-distill`: the cloud teaches a student of every prompt token (P' = P); `@c<N>`: of P/N tokens; `@s<S>`
+  (alone or after c<N>): S training steps instead of the config's (recipe ablations share one synthetic set);
   `:nosum`: the seed instructions without the summarising one (a query type never in the synthetic set).
 - `edgeprompt-selfdistill@c<N>`: the edge teaches itself (Cartridges' self-study): what compression recovers
   without the cloud, at equal bytes.
@@ -13,7 +14,7 @@ generation + targets + training of the strategy's student (what it costs per sys
 from __future__ import annotations
 
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -22,17 +23,23 @@ from edgekv.eval.strategies.base import KVStrategy, register_strategy
 from edgekv.kv.distill_job import DistillConfig, run_distill
 
 
+@dataclass(frozen=True)
 class DistillStrategy(KVStrategy):
     """A KV strategy whose export `edgekv distill` makes."""
 
+    train_steps: int | None = None  # @s<S>; None: the config's
+
     teacher: ClassVar[str] = "cloud"
-    steps: ClassVar[int | None] = None  # None: the config's
+    steps: ClassVar[int | None] = None  # fixed by the class (the untrained control); None: train_steps
     knobs: ClassVar[bool] = True
 
     @classmethod
     def with_knobs(cls, name, variant, knobs):
-        m = re.fullmatch(r"c([1-9][0-9]*)", knobs)
-        return cls(name, variant, factor=int(m.group(1))) if m else None
+        m = re.fullmatch(r"(?:c([1-9][0-9]*))?(?:s([1-9][0-9]*))?", knobs)
+        if not knobs or m is None or (m.group(2) and cls.steps is not None):
+            return None
+        return cls(name, variant, factor=int(m.group(1)) if m.group(1) else None,
+                   train_steps=int(m.group(2)) if m.group(2) else None)
 
     def cloud_model(self, runner):
         return runner.edge if self.teacher == "self" else runner.cloud
@@ -45,7 +52,8 @@ class DistillStrategy(KVStrategy):
             else cfg.instructions
         return replace(cfg, out=str(work), system_prompt=f"@{prompt_file}", prompts=None, cloud=c.cloud, edge=c.edge,
                        dtype=c.dtype, teacher=self.teacher, compress=self.factor, length=None,
-                       steps=cfg.steps if self.steps is None else self.steps, instructions=instructions,
+                       steps=self.steps if self.steps is not None else self.train_steps or cfg.steps,
+                       instructions=instructions,
                        synthetic_dir=str(work.parent.parent / f"synthetic-{self.teacher}-{self.variant or 'all'}"
                                          / work.name))
 
