@@ -210,8 +210,11 @@ def test_the_planner_takes_distilled_exports_as_candidates(pair, tmp_path):
     run_distill(_cfg(tmp_path, steps=1, out=str(tmp_path / "full")), models=pair)
     run_distill(_cfg(tmp_path, steps=1, compress=2, out=str(tmp_path / "half")), models=pair)
     full = candidate_from_export(str(tmp_path / "full" / "prompt" / "kv"), "ce-lslm-distill", 0.01)
-    half = candidate_from_export(str(tmp_path / "half" / "prompt" / "kv"), "ce-lslm-distill@c2", 0.015)
+    half = candidate_from_export(str(tmp_path / "half" / "prompt" / "kv"), "ce-lslm-distill", 0.015,
+                                 source="ce-lslm-distill@c2")
     assert full.start_layer == half.start_layer == 0 and set(full.layer_bytes) == set(range(3))
+    p = json.loads((tmp_path / "full" / "prompt" / "kv" / "manifest.json").read_text())["kv_tokens"]
+    assert (full.label, half.label) == (f"ce-lslm-distill P'={p} fp32", f"ce-lslm-distill@c2 P'={-(-p // 2)} fp32")
     assert half.bytes < 0.6 * full.bytes
     slow = Link(0.01, 20.0)  # 10 kbit/s: bytes decide
     assert predict(half, _profile(), slow) < predict(full, _profile(), slow)

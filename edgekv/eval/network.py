@@ -50,12 +50,15 @@ class Candidate:
     layer_bytes: dict[int, int] = field(default_factory=dict)  # shipped layer → bytes of its file
     quality_loss: float = 0.0  # nats/token vs the edge's exact answer (edge-only); ≤ 0 is no loss
     source: str = ""  # the eval strategy whose export this is (e.g. edgeprompt@0/int8); "" = `strategy`
+    kv_tokens: int | None = None  # a distilled export's trained tokens P' (None: the prompt's own KV)
 
     @property
     def label(self) -> str:
-        """Short name, e.g. `edgeprompt m=12 λ=0.5 int8`."""
+        """Short name, e.g. `edgeprompt m=12 λ=0.5 int8`; a distilled one by its eval name and P'."""
         if self.strategy in ("edge-only", "cloud-only"):
             return self.strategy
+        if self.kv_tokens is not None:  # distill and distill@c8 share strategy, split, ratio and codec
+            return f"{self.source or self.strategy} P'={self.kv_tokens} {self.quant}"
         return f"{self.strategy} m={self.start_layer} λ={self.prune_ratio:g} {self.quant}"
 
     @property
@@ -180,7 +183,8 @@ def candidate_from_export(kv: str, strategy: str, quality_loss: float = 0.0, sou
     export = KVExport(kv)
     m = export.manifest
     sizes = {i: len(export.layer_bytes(i)) for i in export.layer_indices}
-    return Candidate(strategy, min(sizes), m["prune"]["ratio"], m["quant"], sizes, quality_loss, source)
+    return Candidate(strategy, min(sizes), m["prune"]["ratio"], m["quant"], sizes, quality_loss, source,
+                     m["kv_tokens"] if m.get("distilled") else None)
 
 
 def profile_dict(p: Profile) -> dict:
