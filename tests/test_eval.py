@@ -437,6 +437,13 @@ def test_distilled_strategies_run_and_truncate_is_edgeprompt_of_the_head(tiny_mo
     steps = {p.parent.parent.parent.parent.name: json.loads(p.read_text())["distilled"]["steps"]
              for p in (out / "work" / "exports").glob("*/*/prompt/kv/manifest.json")}
     assert steps["ce-lslm-distill-c4s3"] == 3 and steps["ce-lslm-distill-c4"] == 2  # @s<S> overrides the config
+    from edgekv.eval.distill_report import distill_costs
+
+    costs = distill_costs([out], tmp_path / "report")  # per export, medians over the run's 2 prompts
+    assert set(costs) == {f"xsum/{name}" for name in steps} and costs["xsum/ce-lslm-distill"]["n"] == 2
+    assert costs["xsum/edgeprompt-truncate-c4"]["best_step_median"] == 0
+    assert costs["xsum/ce-lslm-distill"]["train_s_median"] > 0
+    assert (tmp_path / "report" / "loss_curves" / "xsum_ce-lslm-distill-c4.png").exists()
 
 
 def test_distill_summary_pairs_and_gap_closed():

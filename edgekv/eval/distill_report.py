@@ -10,6 +10,7 @@ with a seeded bootstrap 95 % interval.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from edgekv.atomic import write_text_atomic
@@ -67,8 +68,38 @@ def distill_summary(rows: list[dict], seed: int = 0) -> dict:
     return out
 
 
+def distill_costs(runs: list[Path], out: Path | None = None) -> dict:
+    """{source/export: medians over the prompts of the runs' distill reports (generation, targets and training
+    seconds, best step, held-out KL at step 0 and at the best step)}, read from each run's work folder; with
+    `out`, one loss curve per source and export (its first prompt's) into out/loss_curves."""
+    costs = {}
+    for run in runs:
+        source = "+".join(json.loads((run / "config.json").read_text(encoding="utf-8"))["datasets"])
+        for export in sorted(p for p in (run / "work" / "exports").glob("*") if p.is_dir()):
+            reports = sorted(export.glob("*/prompt/report.json"))
+            if not reports or "distilled" not in json.loads(reports[0].read_text(encoding="utf-8")):
+                continue
+            rs = [json.loads(p.read_text(encoding="utf-8")) for p in reports]
+            d = [r["distilled"] for r in rs]
+            costs[f"{source}/{export.name}"] = {
+                "n": len(rs), **{f"{k}_median": median([r[k] for r in rs]) for k in ("generate_s", "targets_s",
+                                                                                      "train_s")},
+                "best_step_median": median([x["best_step"] for x in d]),
+                "held_out_kl_step0_median": median([x.get("initial_held_out_kl") for x in d]),
+                "held_out_kl_best_median": median([x.get("held_out_kl") for x in d]),
+                "samples_median": median([x["samples"] for x in d]),
+                "kv_tokens_median": median([r["kv_tokens"] for r in rs]),
+                "system_tokens_median": median([r["system_prompt_tokens"] for r in rs])}
+            curve = reports[0].parent / "loss_curve.png"
+            if out is not None and curve.exists():
+                (out / "loss_curves").mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(curve, out / "loss_curves" / f"{source}_{export.name}.png")
+    return costs
+
+
 def write_distill_report(runs: list[Path], out: Path, seed: int = 0) -> dict:
-    """summary.json and rows.jsonl (the runs' rows of the compared strategies) into `out`."""
+    """summary.json and rows.jsonl (the runs' rows of the compared strategies) into `out`; costs.json and
+    loss_curves/ where the runs' work folders are at hand."""
     keep = {*CONDITIONS.values(), REFERENCE}
     rows = [json.loads(line) for run in runs for line in (run / "results.jsonl").read_text(encoding="utf-8")
             .splitlines() if line.strip()]
@@ -84,6 +115,8 @@ def write_distill_report(runs: list[Path], out: Path, seed: int = 0) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "rows.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     write_text_atomic(out / "summary.json", json.dumps(summary, indent=1))
+    if costs := distill_costs(runs, out):
+        write_text_atomic(out / "costs.json", json.dumps(costs, indent=1))
     ci = {src: drawn for src, cells in summary.items()  # the paired cells with an interval (n ≥ 2)
           if (drawn := {k: v for k, v in cells.items()
                         if (k in CONDITIONS or k in CONTRASTS) and v["delta_ci95"][0] is not None})}
