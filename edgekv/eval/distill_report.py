@@ -77,9 +77,9 @@ def distill_costs(runs: list[Path], out: Path | None = None) -> dict:
         source = "+".join(json.loads((run / "config.json").read_text(encoding="utf-8"))["datasets"])
         for export in sorted(p for p in (run / "work" / "exports").glob("*") if p.is_dir()):
             reports = sorted(export.glob("*/prompt/report.json"))
-            if not reports or "distilled" not in json.loads(reports[0].read_text(encoding="utf-8")):
-                continue
             rs = [json.loads(p.read_text(encoding="utf-8")) for p in reports]
+            if not rs or "distilled" not in rs[0]:  # not a distilled export (compress's have no report.json)
+                continue
             d = [r["distilled"] for r in rs]
             costs[f"{source}/{export.name}"] = {
                 "n": len(rs), **{f"{k}_median": median([r[k] for r in rs]) for k in ("generate_s", "targets_s",

@@ -331,6 +331,13 @@ def check_resumable(out: Path, cfg: EvalConfig) -> None:
                           "pass another --out, or delete it to start over")
 
 
+def eval_requests(cfg: EvalConfig, dataset: str, tokenizer) -> list[Request]:
+    """The run's seeded sample of one dataset, drawn with every sampling setting of its config."""
+    return load_requests(dataset, tokenizer, cfg.limit, cfg.seed, getattr(cfg, f"{dataset}_source"),
+                         cfg.max_system_tokens, cfg.min_system_tokens, cfg.max_user_tokens, cfg.mmlu_subjects,
+                         cfg.sharegpt_offset, cfg.xsum_records, cfg.xsum_from)
+
+
 def check_lengths(requests: list[Request], runner: Runner, cfg: EvalConfig) -> None:
     """Before any forward: every request's system + user prompt + the longest continuation (answer or scored
     reference) fits both models' context; else one line naming the request and both lengths."""
@@ -389,10 +396,7 @@ def run_eval(cfg: EvalConfig, progress=None, models=None) -> dict:
     write_text_atomic(out / "config.json", json.dumps(to_dict(cfg), indent=1))
     steps = Steps(progress)
     runner = Runner(cfg, out, steps, models)
-    requests = {d: load_requests(d, runner.edge.tokenizer, cfg.limit, cfg.seed, getattr(cfg, f"{d}_source"),
-                                 cfg.max_system_tokens, cfg.min_system_tokens, cfg.max_user_tokens,
-                                 cfg.mmlu_subjects, cfg.sharegpt_offset, cfg.xsum_records, cfg.xsum_from)
-                for d in cfg.datasets}
+    requests = {d: eval_requests(cfg, d, runner.edge.tokenizer) for d in cfg.datasets}
     for d in cfg.datasets:
         check_lengths(requests[d], runner, cfg)
     results = out / "results.jsonl"

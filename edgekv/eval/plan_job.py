@@ -22,8 +22,7 @@ import torch
 from edgekv import EdgeKVError
 from edgekv.atomic import write_text_atomic
 from edgekv.config import command_config, load_config, to_dict
-from edgekv.eval.datasets import load_requests
-from edgekv.eval.eval_job import EvalConfig, Runner, read_results, rewrite_report
+from edgekv.eval.eval_job import EvalConfig, Runner, eval_requests, read_results, rewrite_report
 from edgekv.eval.network import (
     Candidate,
     Profile,
@@ -146,10 +145,7 @@ def run_plan(cfg: PlanConfig, progress=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     steps = Steps(progress)
     runner = Runner(ecfg, out, steps)
-    requests = load_requests(cfg.dataset, runner.edge.tokenizer, ecfg.limit, ecfg.seed,
-                             getattr(ecfg, f"{cfg.dataset}_source"), ecfg.max_system_tokens, ecfg.min_system_tokens,
-                             ecfg.max_user_tokens, ecfg.mmlu_subjects, ecfg.sharegpt_offset, ecfg.xsum_records,
-                             ecfg.xsum_from)
+    requests = eval_requests(ecfg, cfg.dataset, runner.edge.tokenizer)
     if cfg.request is not None and cfg.request >= len(requests):
         raise EdgeKVError(f"request {cfg.request} is beyond the run's {len(requests)} {cfg.dataset} requests")
     longest = max(range(len(requests)), key=lambda k: len(runner.edge.tokenizer(requests[k].system)["input_ids"]))
