@@ -10,7 +10,7 @@ from rich.table import Table
 
 from cli.common import console, one_line_errors, progress_bar
 from edgekv.config import load_config
-from edgekv.kv.distill_job import DistillConfig, run_distill
+from edgekv.distill.distill_job import DistillConfig, run_distill
 
 
 @one_line_errors
@@ -26,7 +26,15 @@ def distill(
     rule: Optional[str] = typer.Option(None, help="Which tokens a shorter student starts from: first or even [first]."),
     param: Optional[str] = typer.Option(None, help="full (K, V trained) or lowrank (a rank-r delta) [full]."),
     rank: Optional[int] = typer.Option(None, help="Rank of the lowrank delta per KV head [8]."),
-    samples: Optional[int] = typer.Option(None, help="Teacher answers per seed instruction [2]."),
+    queries: Optional[int] = typer.Option(None, help="Synthetic exchanges per prompt [8]."),
+    seeds: Optional[str] = typer.Option(None, help="Seed types, comma-separated: structuring, summarization, "
+                                        "question, use-case, creative, instruction [instruction]."),
+    on_policy: Optional[float] = typer.Option(None, help="Share of answers the student samples, the teacher "
+                                              "scores [0]."),
+    freeze_first: Optional[int] = typer.Option(None, help="First tokens kept at their initial KV [0]."),
+    query_loss: Optional[bool] = typer.Option(None, "--query-loss/--answer-loss",
+                                              help="Loss on the query's tokens too [answer only]."),
+    batch: Optional[int] = typer.Option(None, help="Sequences per training step [1]."),
     steps: Optional[int] = typer.Option(None, help="Most training steps [30]."),
     lr: Optional[float] = typer.Option(None, help="Adam learning rate [5e-3]."),
     quant: Optional[str] = typer.Option(None, help="Export codec: fp32, fp16, bf16, int8, int4 [bf16]."),
@@ -42,7 +50,9 @@ def distill(
     """Train an edge-shaped system-prompt KV so the edge predicts what the teacher predicts reading the prompt."""
     overrides = dict(system_prompt=system_prompt, prompts=str(prompts) if prompts else None,
                      out=str(out) if out else None, cloud=cloud, edge=edge, teacher=teacher, length=length,
-                     compress=compress, rule=rule, param=param, rank=rank, samples=samples, steps=steps, lr=lr,
+                     compress=compress, rule=rule, param=param, rank=rank, queries=queries,
+                     seeds=[t.strip() for t in seeds.split(",") if t.strip()] if seeds else None, on_policy=on_policy,
+                     freeze_first=freeze_first, query_loss=query_loss, batch=batch, steps=steps, lr=lr,
                      quant=quant, dtype=dtype, device=device, seed=seed, catalog=catalog,
                      ray="" if ray == "local" else ray, workers=workers)
     cfg = load_config(DistillConfig, "distill", config, overrides)

@@ -2,7 +2,7 @@
 
 The package follows the data flow, one folder per stage, lowest first:
 
-    text ─▶ models ─▶ attention ─▶ align ─▶ kv ─▶ serve ─▶ eval
+    text ─▶ models ─▶ attention ─▶ align ─▶ kv ─▶ serve ─▶ distill ─▶ eval
     (texts.py and the shared helpers: atomic, cluster (Ray), config, progress, plots, summary, this file's EdgeKVError)
 
 - `models/`    loading any model, tokenizer checks, model structure (heads, rotary), per-layer capture
@@ -13,6 +13,8 @@ The package follows the data flow, one folder per stage, lowest first:
                loop, the export format, the decoding of an exported layer, `edgekv compress` / `train-fuser`
 - `serve/`     the system KV and its sources, pipelined layer loading and the link model, the one decode loop
                (engine), the OpenAI-style HTTP server, batch mode, `serve-edge`
+- `distill/`   the cloud teaches the edge's system-prompt KV: the batched teacher (one prefill, engine batches),
+               the trainable student prefix, `edgekv distill`
 - `eval/`      datasets, metrics, strategies (one class each), the fidelity harness, load runs, reports, the
                network model and planner, the `edgekv eval` / `plan` jobs
 

@@ -410,9 +410,10 @@ def test_load_rows_are_reused_only_under_the_same_load_settings(tmp_path):
 
 def test_distilled_strategies_run_and_truncate_is_edgeprompt_of_the_head(tiny_models, data, align_dir, tmp_path):
     distill = tmp_path / "distill.yaml"
-    distill.write_text("distill:\n  samples: 1\n  max_answer_tokens: 6\n  steps: 2\n  eval_every: 1\n  quant: fp32\n")
+    distill.write_text("distill:\n  queries: 4\n  max_answer_tokens: 6\n  steps: 2\n  eval_every: 1\n  quant: fp32\n")
     strategies = ["edgeprompt", "ce-lslm-distill", "ce-lslm-distill@c4", "edgeprompt-selfdistill@c4",
-                  "edgeprompt-truncate@c4", "ce-lslm-distill:nosum@c4", "ce-lslm-distill@c4s3"]
+                  "edgeprompt-truncate@c4", "ce-lslm-distill:nosum@c4", "ce-lslm-distill@c4s3",
+                  "ce-lslm-distill:v1@c4"]
     for bad in ("ce-lslm-distill@c0", "ce-lslm-distill@0.5/int8", "edgeprompt-truncate:nosum",
                 "edgeprompt-truncate@c4s3", "ce-lslm-distill@s0", "ce-lslm-distill@s3c4"):
         with pytest.raises(EdgeKVError, match="unknown strategy"):

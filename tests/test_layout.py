@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "edgekv"
-# text → models → attention → align → kv → serve → eval (edgekv/__init__.py says it in words)
-STAGES = {"models": 1, "attention": 2, "align": 3, "kv": 4, "serve": 5, "eval": 6}
+# text → models → attention → align → kv → serve → distill → eval (edgekv/__init__.py says it in words)
+STAGES = {"models": 1, "attention": 2, "align": 3, "kv": 4, "serve": 5, "distill": 6, "eval": 7}
 HELPERS = {"__init__", "atomic", "cluster", "config", "progress", "plots", "summary", "texts"}  # shared, rank 0
 REEXPORTS = {"similarity", "pruning"}  # former public paths, for callers outside the project
 

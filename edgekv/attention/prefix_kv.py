@@ -170,6 +170,8 @@ class PrefixKV(Cache):
         self.next_position = int(prefix_len if next_position is None else next_position)
         if layers is not None and any(k.shape[-2] != self.prefix_len for k, _ in self._layers):
             raise ValueError(f"every layer must hold {self.prefix_len} prefix tokens")
+        if layers:  # a subclass that resolves its layers later sets its dtype itself
+            self.dtype = self._layers[0][0].dtype
         super().__init__(layers=[PrefixLayer(self, i) for i in range(self.num_layers)])
 
     @classmethod
@@ -180,6 +182,12 @@ class PrefixKV(Cache):
     def layer(self, i: int) -> KVPair:
         """Layer i's (1, kv_heads, P, d) keys and values."""
         return self._layers[i]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the prefix's KV as held (all layers; cloud segments included)."""
+        own = sum(2 * k.numel() * k.element_size() for k, _ in (self.layer(i) for i in range(self.num_layers)))
+        return own + sum(2 * s.keys.numel() * s.keys.element_size() for s in self.segments.values())
 
     @property
     def segments(self) -> dict:

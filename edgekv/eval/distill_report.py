@@ -2,8 +2,8 @@
 
 Conditions (issue "the cloud teaches the edge's system-prompt KV"): `distill` (P' = P, cloud), `distill-c8`
 (P/8, cloud), `self-distill-c8` (P/8, self), `truncate-c8` (the P/8 student untrained), `distill-nosum` (no
-summarising seed instruction), `fuse` (the shipped fuser), `cloud` (the ceiling), `edge` (the edge alone on the
-whole prompt: EdgePrompt's NLL up to the splice's rounding). Δ = reference NLL − EdgePrompt's on the same request,
+summarising seed instruction), `distill-v1` (the recipe shipped before issue 34), `fuse` (the shipped fuser),
+`cloud` (the ceiling), `edge` (the edge alone on the whole prompt: EdgePrompt's NLL up to the splice's rounding). Δ = reference NLL − EdgePrompt's on the same request,
 with a seeded bootstrap 95 % interval.
 """
 
@@ -20,8 +20,8 @@ from edgekv.summary import mean, median
 
 CONDITIONS = {"distill": "ce-lslm-distill", "distill-c8": "ce-lslm-distill@c8",
               "self-distill-c8": "edgeprompt-selfdistill@c8", "truncate-c8": "edgeprompt-truncate@c8",
-              "distill-nosum": "ce-lslm-distill:nosum", "fuse": "ce-lslm-fuse", "cloud": "cloud-only",
-              "edge": "edge-only"}
+              "distill-nosum": "ce-lslm-distill:nosum", "distill-v1": "ce-lslm-distill:v1", "fuse": "ce-lslm-fuse",
+              "cloud": "cloud-only", "edge": "edge-only"}
 REFERENCE = "edgeprompt"
 CONTRASTS = {"distill - fuse": ("distill", "fuse"), "distill-c8 - self-distill-c8": ("distill-c8", "self-distill-c8"),
              "distill-c8 - truncate-c8": ("distill-c8", "truncate-c8")}

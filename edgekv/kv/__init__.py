@@ -4,7 +4,7 @@ ridge/hidden/trained) and fusers (`fusers.py`), every kind registered and saved/
 the one training loop (`train_loop.py`) and what it trains (`training.py`: translator maps; `fuser_training.py`:
 fuser gates, cached features, hard-gate choice), the export format (`export.py`), turning an exported layer back
 into edge KV (`decode.py`), and the jobs `edgekv compress` (`compress_job.py`) and `edgekv train-fuser`
-(`fuser_job.py`).
+(`fuser_job.py`). Distillation, whose teacher decodes through the engine, is a stage of its own (`distill/`).
 
 May import: the shared helpers, `models/`, `attention/`, `align/`. Knows nothing of `serve/` or `eval/`.
 """

@@ -239,12 +239,6 @@ class SystemKV(PrefixKV):
         if self.loader is not None:
             self.loader.join()
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the system KV as held (all layers; cloud segments included)."""
-        own = sum(2 * k.numel() * k.element_size() for k, _ in (self.layer(i) for i in range(self.num_layers)))
-        return own + sum(2 * s.keys.numel() * s.keys.element_size() for s in self.segments.values())
-
     def describe(self) -> dict:
         """Where the system KV came from and what loading cost (for logs, /metrics and batch output)."""
         out = {"source": self.source, "shallow_source": self.shallow_source,

@@ -3,7 +3,8 @@ speed, trained so the edge reading it predicts what a teacher predicts reading t
 
 - `ce-lslm-distill`: the cloud teaches a student of every prompt token (P' = P); `@c<N>`: of P/N tokens; `@s<S>`
   (alone or after c<N>): S training steps instead of the config's (recipe ablations share one synthetic set);
-  `:nosum`: the seed instructions without the summarising one (a query type never in the synthetic set).
+  `:nosum`: the seed instructions without the summarising one (a query type never in the synthetic set);
+  `:v1`: the recipe shipped before issue 34 (`V1_RECIPE`), through today's teacher.
 - `edgeprompt-selfdistill@c<N>`: the edge teaches itself (Cartridges' self-study): what compression recovers
   without the cloud, at equal bytes.
 - `edgeprompt-truncate@c<N>`: the same P/N-token student untrained (0 steps): EdgePrompt of the first P/N tokens.
@@ -20,7 +21,7 @@ from typing import ClassVar
 
 from edgekv.config import load_config
 from edgekv.eval.strategies.base import KVStrategy, register_strategy
-from edgekv.kv.distill_job import DistillConfig, run_distill
+from edgekv.distill.distill_job import V1_RECIPE, DistillConfig, run_distill
 
 
 @dataclass(frozen=True)
@@ -48,12 +49,16 @@ class DistillStrategy(KVStrategy):
         """The run's distill config (configs/distill.yaml unless the eval config names another), for this prompt."""
         c = runner.cfg
         cfg = load_config(DistillConfig, "distill", c.distill_config, {"system_prompt": f"@{prompt_file}"})
-        instructions = [t for t in cfg.instructions if "summar" not in t.lower()] if self.variant == "nosum" \
-            else cfg.instructions
+        if self.variant == "v1":
+            cfg = replace(cfg, **V1_RECIPE)
+        instructions, seeds = cfg.instructions, cfg.seeds
+        if self.variant == "nosum":  # no summarising seed of any type
+            instructions = [t for t in instructions if "summar" not in t.lower()]
+            seeds = [s for s in seeds if s != "summarization"]
         return replace(cfg, out=str(work), system_prompt=f"@{prompt_file}", prompts=None, cloud=c.cloud, edge=c.edge,
                        dtype=c.dtype, teacher=self.teacher, compress=self.factor, length=None,
                        steps=self.steps if self.steps is not None else self.train_steps or cfg.steps,
-                       instructions=instructions,
+                       instructions=instructions, seeds=seeds,
                        synthetic_dir=str(work.parent.parent / f"synthetic-{self.teacher}-{self.variant or 'all'}"
                                          / work.name))
 
@@ -70,7 +75,7 @@ class CeLslmDistill(DistillStrategy):
     """The cloud teaches the edge's KV of the whole prompt (or of P/N tokens with @c<N>)."""
 
     base = "ce-lslm-distill"
-    variants = ("nosum",)
+    variants = ("nosum", "v1")
 
 
 @register_strategy

@@ -1,4 +1,4 @@
-"""`edgekv distill`: a cloud-distilled, edge-native KV export per system prompt (see distill.py).
+"""`edgekv distill`: a cloud-distilled, edge-native KV export per system prompt (see student.py and teacher.py).
 
 For one system prompt (`--system-prompt TEXT|@FILE`) or a JSONL of them (`--prompts`, one {"name",
 "system_prompt"} per line), each in its own folder under `--out`, resumable per prompt and within one: the
@@ -23,19 +23,25 @@ from edgekv import EdgeKVError
 from edgekv.atomic import write_tensors_atomic, write_text_atomic
 from edgekv.cluster import run_items
 from edgekv.config import command_config, to_dict
-from edgekv.kv.catalog import Catalog, export_key
-from edgekv.kv.compress_job import encode_layer, model_info, same_model_layers
-from edgekv.kv.distill import (
+from edgekv.distill.student import (
     RULES,
-    Sample,
     Student,
     held_out_kl,
     initial_student,
     sample_loss,
     split_samples,
-    synthesize,
-    teacher_targets,
 )
+from edgekv.distill.teacher import (
+    INSTRUCTION,
+    SEED_PROMPTS,
+    BatchedTeacher,
+    Sample,
+    plan_seeds,
+    student_answers,
+    synthesize,
+)
+from edgekv.kv.catalog import Catalog, export_key
+from edgekv.kv.compress_job import encode_layer, model_info, same_model_layers
 from edgekv.kv.export import token_ids_sha256, tokenizer_fingerprint, write_export
 from edgekv.kv.train_loop import Trainee, example_index, train_loop
 from edgekv.models.loading import DTYPES, LoadedModel, check_tokenizers, load_model
@@ -54,6 +60,12 @@ INSTRUCTIONS = [
     "\nContinue the text above.\n",
     "\nExplain one part of the text above in plain words.\nExplanation:",
 ]
+
+
+# the recipe `edgekv distill` shipped before issue 34 (the eval's `distill-v1`): 8 sampled answers to the fixed
+# instructions, 40 tokens each, 30 single-sequence steps at lr 5e-3, nothing frozen, the loss on answers only
+V1_RECIPE = dict(queries=8, seeds=["instruction"], max_answer_tokens=40, temperature=0.8, on_policy=0.0, top_k=64,
+                 held_out=0.25, query_loss=False, freeze_first=0, batch=1, steps=30, lr=5e-3, eval_every=5, patience=3)
 
 
 @command_config("distill")
@@ -75,12 +87,25 @@ class DistillConfig:
     rule: str = "first"  # which prompt tokens the student starts from when P' < P: first | even
     param: str = "full"  # full (K, V trained outright) | lowrank (a rank-r delta per KV head)
     rank: int = 8
-    instructions: list[str] = field(default_factory=lambda: list(INSTRUCTIONS))
-    samples: int = 2  # sampled answers per instruction
+    # the synthetic set (teacher.py): `queries` exchanges, their seed types drawn round robin from `seeds`
+    queries: int = 8
+    seeds: list[str] = field(default_factory=lambda: [INSTRUCTION])  # of seed_prompts' keys and `instruction`
+    seed_prompts: dict[str, str] = field(default_factory=lambda: dict(SEED_PROMPTS))
+    instructions: list[str] = field(default_factory=lambda: list(INSTRUCTIONS))  # the `instruction` seed type
+    answer_format: str = "\n{query}\nAnswer:"  # how a written query is put to the teacher (and the student)
+    window_tokens: int = 48  # the part of the prompt the query writer reads
+    max_query_tokens: int = 32
+    query_temperature: float = 1.0
     max_answer_tokens: int = 40
-    temperature: float = 0.8
-    top_k: int = 64  # the teacher's top-k (+ the tail's mass) each answer token is matched on
+    temperature: float = 0.8  # answers: 0 greedy, else sampled (seeded per query)
+    on_policy: float = 0.0  # share of the answers the student samples (the teacher scores them; GKD)
+    top_k: int = 64  # the teacher's top-k (+ the tail's mass) each token is matched on
+    teacher_batch: int = 64  # requests decoded together by the teacher (and the student)
+    # training
     held_out: float = 0.25  # share of the synthetic set held out for early stopping
+    query_loss: bool = False  # the loss also covers the query's own tokens (else the answer's only)
+    freeze_first: int = 0  # first tokens (the attention sink) kept at their initial KV
+    batch: int = 1  # synthetic sequences per optimizer step (their losses averaged)
     steps: int = 30
     lr: float = 5e-3
     eval_every: int = 5
@@ -111,10 +136,23 @@ class DistillConfig:
             raise EdgeKVError("--length and --compress must be ≥ 1")
         if self.dtype not in DTYPES:
             raise EdgeKVError(f"unknown dtype '{self.dtype}' (choose from {', '.join(DTYPES)})")
-        if not self.instructions or self.samples < 1 or self.max_answer_tokens < 2 or self.steps < 0:
-            raise EdgeKVError("distill needs ≥ 1 instruction, samples ≥ 1, max_answer_tokens ≥ 2 and steps ≥ 0")
+        if self.queries < 2 or self.max_answer_tokens < 2 or self.max_query_tokens < 1 or self.steps < 0:
+            raise EdgeKVError("distill needs queries ≥ 2, max_answer_tokens ≥ 2, max_query_tokens ≥ 1 and "
+                              "steps ≥ 0")
+        unknown = [s for s in self.seeds if s != INSTRUCTION and s not in self.seed_prompts]
+        if not self.seeds or unknown:
+            raise EdgeKVError(f"unknown seed type(s) {unknown} (choose from "
+                              f"{', '.join([*self.seed_prompts, INSTRUCTION])})" if unknown else "give ≥ 1 seed type")
+        if INSTRUCTION in self.seeds and not self.instructions:
+            raise EdgeKVError("the 'instruction' seed type needs ≥ 1 instruction")
+        if "{query}" not in self.answer_format:
+            raise EdgeKVError("answer_format must contain {query}")
+        if not 0 <= self.on_policy <= 1 or self.window_tokens < 1 or self.teacher_batch < 1:
+            raise EdgeKVError("on_policy must be in [0, 1]; window_tokens and teacher_batch ≥ 1")
         if not 0 < self.held_out < 1 or self.top_k < 1 or self.eval_every < 1 or self.patience < 1:
             raise EdgeKVError("held_out must be in (0, 1); top_k, eval_every and patience ≥ 1")
+        if self.batch < 1 or self.freeze_first < 0:
+            raise EdgeKVError("batch must be ≥ 1 and freeze_first ≥ 0")
 
 
 def read_prompts(cfg: DistillConfig) -> list[tuple[str, str]]:
@@ -148,33 +186,68 @@ def student_length(cfg: DistillConfig, n: int) -> int:
     return n if cfg.length is None else cfg.length
 
 
-def _synthetic(cfg: DistillConfig, teacher: LoadedModel, ids: torch.Tensor, work: Path,
-               steps: Steps) -> tuple[list[Sample], dict]:
-    """The synthetic set with its targets: read back when this teacher made it before, else made and kept."""
+SYNTHETIC_KEYS = ("queries", "seeds", "seed_prompts", "instructions", "answer_format", "window_tokens",
+                  "max_query_tokens", "query_temperature", "max_answer_tokens", "temperature", "on_policy", "top_k",
+                  "seed")
+
+
+def _synthetic(cfg: DistillConfig, teacher: LoadedModel, edge: LoadedModel, student: Student, ids: torch.Tensor,
+               work: Path, steps: Steps) -> tuple[list[Sample], dict]:
+    """The synthetic set with its targets: read back when this teacher made it before, else made and kept. Its
+    seconds: the teacher's prefill, writing the queries, answering, the student's on-policy answers, the teacher
+    scoring them."""
     where = Path(cfg.synthetic_dir) / work.name if cfg.synthetic_dir else work
     where.mkdir(parents=True, exist_ok=True)
     meta_path, tensor_path = where / "synthetic.json", where / "synthetic.safetensors"
-    key = {"teacher": teacher.fingerprint, "instructions": cfg.instructions, "samples": cfg.samples,
-           "max_answer_tokens": cfg.max_answer_tokens, "temperature": cfg.temperature, "top_k": cfg.top_k,
-           "seed": cfg.seed, "prompt_sha256": token_ids_sha256(ids.tolist())}
+    key = {"teacher": teacher.fingerprint, **{k: getattr(cfg, k) for k in SYNTHETIC_KEYS},
+           "prompt_sha256": token_ids_sha256(ids.tolist()), "format": 2}
+    if cfg.on_policy:  # the student's samples depend on where it starts
+        key.update(student=edge.fingerprint, length=student.tokens, rule=cfg.rule)
     if meta_path.exists() and tensor_path.exists():
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
         if meta["key"] == key:
             t = load_file(str(tensor_path))
-            return [Sample(k, t[f"{n}.user"], t[f"{n}.answer"], t[f"{n}.top_ids"], t[f"{n}.top_logp"])
-                    for n, k in enumerate(meta["instruction"])], meta
-    start = time.perf_counter()
-    samples = synthesize(teacher, ids, cfg.instructions, cfg.samples, cfg.max_answer_tokens, cfg.temperature,
-                         cfg.seed, steps.task("teacher answers", len(cfg.instructions) * cfg.samples))
-    generate_s = time.perf_counter() - start
+            return [Sample(kind, t[f"{n}.user"], t[f"{n}.answer"], t[f"{n}.top_ids"], t[f"{n}.top_logp"], policy)
+                    for n, (kind, policy) in enumerate(zip(meta["seed"], meta["policy"]))], meta
+    seconds: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        seconds[name] = now - clock
+        clock = now
+
+    model = BatchedTeacher.of_prompt(teacher, ids, max_batch=cfg.teacher_batch)
+    lap("prefill_s")
+    plan = plan_seeds(cfg.seeds, cfg.queries)
+    written = sum(p != INSTRUCTION for p in plan)
+    order = torch.randperm(len(plan), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    theirs = set(order[:round(cfg.on_policy * len(plan))])  # the exchanges whose answer the student samples
+    samples, left = synthesize(model, ids, plan, [n in theirs for n in range(len(plan))], cfg.seed_prompts,
+                               cfg.instructions, cfg.answer_format, cfg.window_tokens, cfg.max_query_tokens,
+                               cfg.query_temperature, cfg.max_answer_tokens, cfg.temperature, cfg.top_k, cfg.seed,
+                               steps.task("teacher writes and answers", len(plan)))
+    lap("teach_s")
+    if left:
+        with torch.no_grad():
+            on = BatchedTeacher(edge, student.prefix(), max_batch=cfg.teacher_batch)
+            drawn = student_answers(on, left, cfg.max_answer_tokens, cfg.temperature, cfg.seed + 1,
+                                    steps.task("student answers", len(left)))
+        lap("student_s")
+        model.score(drawn, cfg.top_k, steps.task("teacher scores", len(drawn)))
+        lap("score_s")
+        samples += drawn
     if len(samples) < 2:
-        raise EdgeKVError("the teacher answered fewer than 2 instructions (every answer was empty)")
-    teacher_targets(teacher, ids, samples, cfg.top_k)
+        raise EdgeKVError("the teacher answered fewer than 2 queries (every answer was empty)")
     tensors = {f"{n}.{name}": getattr(s, name).clone().contiguous() for n, s in enumerate(samples)
                for name in ("user", "answer", "top_ids", "top_logp")}
     write_tensors_atomic(tensor_path, tensors)
-    meta = {"key": key, "instruction": [s.instruction for s in samples], "generate_s": generate_s,
-            "targets_s": time.perf_counter() - start - generate_s}
+    meta = {"key": key, "seed": [s.seed for s in samples], "policy": [s.policy for s in samples],
+            "planned": cfg.queries, "written": written, **seconds,
+            "generate_s": sum(seconds.values()) - seconds.get("score_s", 0.0), "targets_s": seconds.get("score_s", 0.0),
+            "supervised_tokens": int(sum(s.answer.numel() for s in samples)),
+            "query_tokens": int(sum(s.user.numel() for s in samples))}
     write_text_atomic(meta_path, json.dumps(meta))
     return samples, meta
 
@@ -188,8 +261,10 @@ def distill_one(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, nam
     ids = torch.tensor(edge.tokenizer(prompt, add_special_tokens=True)["input_ids"], dtype=torch.long)
     if not prompt.strip() or ids.numel() == 0:
         raise EdgeKVError(f"{name}: the system prompt is empty")
-    need = ids.numel() + max(len(edge.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in cfg.instructions) \
-        + cfg.max_answer_tokens
+    longest_writer = cfg.window_tokens + 64 + cfg.max_query_tokens  # the writer's prompt: window + seed text
+    longest_user = max([len(edge.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in cfg.instructions]
+                       + [cfg.max_query_tokens + 8])
+    need = ids.numel() + max(longest_writer, longest_user + cfg.max_answer_tokens)
     for who in {id(edge): edge, id(teacher): teacher}.values():
         if need > context_limit(who.model.config):
             raise EdgeKVError(f"{name}: system prompt + instruction + answer = {need} tokens exceeds {who.spec}'s "
@@ -198,10 +273,10 @@ def distill_one(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, nam
     if keep > ids.numel():
         raise EdgeKVError(f"{name}: --length {keep} is beyond the system prompt's {ids.numel()} tokens")
     work.mkdir(parents=True, exist_ok=True)
-    samples, meta = _synthetic(cfg, teacher, ids, work, steps)
+    student, index = initial_student(edge, ids, keep, cfg.rule, cfg.param, cfg.rank, cfg.seed, cfg.freeze_first)
+    samples, meta = _synthetic(cfg, teacher, edge, student, ids, work, steps)
     train, held = split_samples(samples, cfg.held_out, cfg.seed)
     start = time.perf_counter()
-    student, index = initial_student(edge, ids, keep, cfg.rule, cfg.param, cfg.rank, cfg.seed)
     log_, best = _train(cfg, edge, student, train, held, work / "train", steps)
     train_s = time.perf_counter() - start  # this call's share: a resumed run counts only what it added
     report = _export(cfg, edge, teacher, student, ids, index, work, {
@@ -210,9 +285,12 @@ def distill_one(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, nam
         "steps": log_[-1]["step"] if log_ else 0, "best_step": best["step"], "held_out_kl": best["kl"],
         "initial_held_out_kl": log_[0].get("held_out_kl") if log_ else None, "samples": len(samples),
         "train_samples": len(train), "held_out_samples": len(held),
-        "answer_tokens": int(sum(s.answer.numel() for s in samples)), "seed": cfg.seed,
-        "instructions": cfg.instructions})
-    report.update(generate_s=meta.get("generate_s"), targets_s=meta.get("targets_s"), train_s=train_s, log=log_)
+        "answer_tokens": int(sum(s.answer.numel() for s in samples)),
+        "supervised_tokens": int(sum(s.answer.numel() + (s.user.numel() - 1) * cfg.query_loss for s in train)),
+        "on_policy_samples": sum(s.policy == "student" for s in samples), "seed": cfg.seed, "seeds": cfg.seeds,
+        "freeze_first": cfg.freeze_first, "query_loss": cfg.query_loss, "batch": cfg.batch, "lr": cfg.lr})
+    report.update({k: meta.get(k) for k in ("generate_s", "targets_s", "prefill_s", "teach_s", "student_s",
+                                            "score_s")}, train_s=train_s, log=log_)
     if log_:
         loss_curve(log_, work / "loss_curve.png", f"{name}: distill (teacher {cfg.teacher}, P'={keep})")
     write_text_atomic(work / "report.json", json.dumps(report, indent=1))
@@ -244,7 +322,9 @@ def _train(cfg: DistillConfig, edge: LoadedModel, student: Student, train: list[
             write_text_atomic(path / "best.json", json.dumps(best))
 
     def loss(step: int) -> torch.Tensor:
-        return sample_loss(edge, student.prefix(), train[example_index(step, len(train), cfg.seed)])
+        prefix = student.prefix()
+        picks = [train[example_index(step * cfg.batch + j, len(train), cfg.seed)] for j in range(cfg.batch)]
+        return sum(sample_loss(edge, prefix, s, cfg.query_loss) for s in picks) / cfg.batch
 
     trainee = Trainee([{"params": student.parameters()}], loss, save=save, evaluate=evaluate, frozen=[edge.model])
     stop = lambda step: step - best["step"] >= cfg.patience * cfg.eval_every  # noqa: E731

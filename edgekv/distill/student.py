@@ -1,0 +1,129 @@
+"""The student of a distillation: an edge-shaped prefix KV of P' tokens that the edge reads, trained so the edge
+predicts what the teacher predicts (Cartridges, Eyuboglu et al. 2025). It starts at the edge's own prefill (of the
+whole prompt when P' = P, else of P' tokens chosen by `select_tokens`), learns by the exact top-k + tail KL of
+`fuser_training.topk_kl` with every model weight frozen, and ships as an ordinary EdgePrompt-format export
+(`distill_job.py`). At step 0 with P' = P the student *is* the edge's own prefill: EdgePrompt exactly. The first
+`freeze_first` tokens (the attention sink) can be kept at their initial KV, as Cartridges does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from edgekv import EdgeKVError
+from edgekv.attention.prefix_kv import PrefixKV, continuation_logits, prefix_kv
+from edgekv.distill.teacher import Sample
+from edgekv.kv.fuser_training import topk_kl
+from edgekv.models.loading import LoadedModel
+
+RULES = ("first", "even", "all")
+
+
+def select_tokens(n: int, keep: int, rule: str) -> tuple[torch.Tensor, int]:
+    """(indices of the P' prompt tokens the student starts from, the position a request continues at).
+    `first`: the first P' tokens, read as a prompt of their own (requests continue at P'); `even`: P' tokens
+    evenly spaced over the prompt, the first and the last included, keeping their KV and positions from the
+    full prefill (requests continue at P); `all`: every token (P' = P)."""
+    if rule not in RULES:
+        raise EdgeKVError(f"unknown token rule '{rule}' (choose from {', '.join(RULES)})")
+    if not 1 <= keep <= n:
+        raise EdgeKVError(f"--length must be in [1, {n}] (the system prompt's tokens), got {keep}")
+    if rule == "all" or keep == n:
+        return torch.arange(n), n
+    if rule == "first":
+        return torch.arange(keep), keep
+    return torch.linspace(0, n - 1, keep).round().long().unique(), n
+
+
+class Student:
+    """The trainable prefix KV: per layer, keys and values initialised at the edge's own KV of the chosen tokens,
+    trained outright (`full`) or as a low-rank delta per KV head (`lowrank`: K₀ + U·V with U zero at the start,
+    so step 0 is the initial KV exactly). Tensors are float32; the prefix is cast to the model's dtype."""
+
+    def __init__(self, init: list[tuple[torch.Tensor, torch.Tensor]], next_position: int, param: str = "full",
+                 rank: int = 8, seed: int = 0, dtype: torch.dtype | None = None, freeze_first: int = 0):
+        if param not in ("full", "lowrank"):
+            raise EdgeKVError(f"--param must be 'full' or 'lowrank', got '{param}'")
+        self.param, self.next_position, self.freeze_first = param, next_position, freeze_first
+        self.dtype = dtype or init[0][0].dtype
+        self.base = [(k.detach().float().clone(), v.detach().float().clone()) for k, v in init]
+        g = torch.Generator().manual_seed(seed)
+        self.tensors: dict[str, torch.Tensor] = {}
+        for i, (k, _) in enumerate(self.base):
+            _, h, p, d = k.shape
+            for kv in "kv":
+                if param == "full":
+                    self.tensors[f"{i}.{kv}"] = self.base[i]["kv".index(kv)].clone()
+                else:
+                    self.tensors[f"{i}.{kv}.u"] = torch.zeros(h, p, rank)
+                    self.tensors[f"{i}.{kv}.v"] = torch.randn(h, rank, d, generator=g) / d ** 0.5
+
+    @property
+    def tokens(self) -> int:
+        """P': tokens of the student prefix."""
+        return self.base[0][0].shape[2]
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The trained tensors, in a fixed order."""
+        return [self.tensors[n] for n in sorted(self.tensors)]
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's (1, kv_heads, P', d) keys and values (float32, differentiable); the first `freeze_first`
+        tokens are the initial KV itself (no gradient reaches them)."""
+        if self.param == "full":
+            k, v = self.tensors[f"{i}.k"], self.tensors[f"{i}.v"]
+        else:
+            k0, v0 = self.base[i]
+            k = k0 + (self.tensors[f"{i}.k.u"] @ self.tensors[f"{i}.k.v"])[None]
+            v = v0 + (self.tensors[f"{i}.v.u"] @ self.tensors[f"{i}.v.v"])[None]
+        f = self.freeze_first
+        if f:
+            k0, v0 = self.base[i]
+            k, v = torch.cat([k0[:, :, :f], k[:, :, f:]], 2), torch.cat([v0[:, :, :f], v[:, :, f:]], 2)
+        return k, v
+
+    def prefix(self) -> PrefixKV:
+        """The student as a prefix the edge reads (in the model's dtype)."""
+        return PrefixKV([tuple(t.to(self.dtype) for t in self.layer(i)) for i in range(len(self.base))], self.tokens,
+                        next_position=self.next_position)
+
+    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's (kv_heads, P', d) keys and values as trained, detached (what an export ships)."""
+        with torch.no_grad():
+            return [tuple(t[0].detach().clone() for t in self.layer(i)) for i in range(len(self.base))]
+
+
+def initial_student(edge: LoadedModel, system_ids: torch.Tensor, keep: int, rule: str, param: str = "full",
+                    rank: int = 8, seed: int = 0, freeze_first: int = 0) -> tuple[Student, torch.Tensor]:
+    """The student at step 0 and the prompt token indices it holds: the edge's own prefill of the whole prompt,
+    kept at the chosen tokens (`even`, `all`), or the edge's prefill of the first P' tokens alone (`first`)."""
+    index, next_position = select_tokens(system_ids.numel(), keep, rule)
+    if rule == "first" and index.numel() < system_ids.numel():
+        init = prefix_kv(edge.model, system_ids[index])
+    else:
+        full = prefix_kv(edge.model, system_ids)
+        init = [(k[:, :, index], v[:, :, index]) for k, v in full]
+    return Student(init, next_position, param, rank, seed, dtype=init[0][0].dtype, freeze_first=freeze_first), index
+
+
+def sample_loss(edge: LoadedModel, prefix: PrefixKV, s: Sample, query_loss: bool = False) -> torch.Tensor:
+    """KL(teacher ‖ edge-on-student) over the teacher's top-k and the tail, mean over the answer's tokens (and the
+    query's own tokens after its first, with `query_loss`)."""
+    first = 0 if query_loss else s.answer_from
+    logits = continuation_logits(edge.model, prefix, torch.cat([s.user, s.answer[:-1]]))[first:]
+    return topk_kl(logits, s.top_ids[first:], s.top_logp[first:])
+
+
+@torch.no_grad()
+def held_out_kl(edge: LoadedModel, student: Student, samples: list[Sample]) -> float:
+    """Mean KL to the teacher over held-out samples, on their answers (the same measure whatever the loss)."""
+    prefix = student.prefix()
+    return float(sum(float(sample_loss(edge, prefix, s)) for s in samples) / max(1, len(samples)))
+
+
+def split_samples(samples: list[Sample], held_out: float, seed: int) -> tuple[list[Sample], list[Sample]]:
+    """(train, held-out) by a seeded shuffle; at least one of each when there are two or more samples."""
+    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
+    n_held = min(max(1, round(held_out * len(samples))), len(samples) - 1) if len(samples) > 1 else 0
+    held = sorted(order[:n_held])
+    return [samples[i] for i in sorted(order[n_held:])], [samples[i] for i in held]
