@@ -3,8 +3,8 @@
 Conditions (issue "the cloud teaches the edge's system-prompt KV"): `distill` (P' = P, cloud), `distill-c8`
 (P/8, cloud), `self-distill-c8` (P/8, self), `truncate-c8` (the P/8 student untrained), `distill-nosum` (no
 summarising seed instruction), `distill-v1` (the recipe shipped before issue 34), `fuse` (the shipped fuser),
-`cloud` (the ceiling), `edge` (the edge alone on the whole prompt: EdgePrompt's NLL up to the splice's rounding). Δ = reference NLL − EdgePrompt's on the same request,
-with a seeded bootstrap 95 % interval.
+`cloud` (the ceiling), `edge` (the edge alone on the whole prompt: EdgePrompt's NLL up to the splice's rounding).
+Δ = reference NLL − EdgePrompt's on the same request, with a seeded bootstrap 95 % interval.
 """
 
 from __future__ import annotations
