@@ -33,7 +33,7 @@ from edgekv.distill.distill_job import INSTRUCTIONS, DistillConfig, _synthetic
 from edgekv.distill.student import initial_student
 from edgekv.models.loading import eos_ids, load_model
 from edgekv.progress import Steps
-from edgekv.texts import jsonl_records
+from edgekv.texts import read_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ("queries", "seeds", "window_tokens", "max_query_tokens", "max_answer_tokens", "temperature", "on_policy",
@@ -93,8 +93,7 @@ def main() -> None:
     cfg = load_config(DistillConfig, "distill", args.recipe, {"out": str(args.out / "work"),
                                                               "prompts": str(args.prompts)})
     cloud, edge = load_model(cfg.cloud, cfg.dtype), load_model(cfg.edge, cfg.dtype)
-    lines = args.prompts.read_text(encoding="utf-8").splitlines()
-    prompts = [(str(r["name"]), str(r["system_prompt"])) for _, r in jsonl_records(lines, args.prompts)][:args.limit]
+    prompts = read_prompts(args.prompts)[:args.limit]
     rows = []
     for name, text in prompts:
         ids = torch.tensor(edge.tokenizer(text, add_special_tokens=True)["input_ids"])

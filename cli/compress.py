@@ -66,8 +66,8 @@ def compress(
     if cfg.prompts:
         with progress_bar() as progress:
             done = run_compress_batch(cfg, progress)
-        console.print(f"{done['computed']} computed, {done['skipped']} already in {cfg.catalog}, "
-                      f"{len(done['failed'])} failed")
+        console.print(f"{done['computed']} computed, {done['repaired']} repaired, {done['skipped']} already in "
+                      f"{cfg.catalog} (verified), {len(done['failed'])} failed")
         for f in done["failed"]:
             print(f"error: {f['name']}: {f['error']}", file=sys.stderr)
         if done["failed"]:

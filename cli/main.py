@@ -8,6 +8,7 @@ import typer
 from transformers.utils import logging as hf_logging
 
 from cli.align import align
+from cli.catalog import catalog
 from cli.compress import compress
 from cli.distill import distill
 from cli.eval import eval_, report
@@ -30,6 +31,7 @@ app.command("report")(report)
 app.command("plan")(plan)
 app.command("train-fuser")(train_fuser)
 app.command("distill")(distill)
+app.command("catalog")(catalog)
 hf_logging.disable_progress_bar()  # our own rich bars report progress; HF's tqdm lines would interleave
 _handler = logging.StreamHandler()  # stderr: one-time notices such as the first conversion of a default model
 _handler.setFormatter(logging.Formatter("edgekv: %(message)s"))

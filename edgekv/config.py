@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import yaml
 
 from edgekv import EdgeKVError
+from edgekv.texts import read_text
 
 T = TypeVar("T")
 COMMAND_SECTIONS = ("align", "compress", "serve_edge", "eval", "train_fuser", "plan", "distill")
@@ -42,7 +43,7 @@ def read_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise EdgeKVError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.safe_load(read_text(path, "config file"))
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

@@ -99,6 +99,42 @@ def _record_text(record: object, field: str, where: str) -> str:
     raise EdgeKVError(f"{where}: expected a string or an object with a '{field}' string field")
 
 
+def read_text(path: str | Path, what: str = "file") -> str:
+    """A UTF-8 input file's text; a missing file, or bytes that are not UTF-8, are a one-line error naming the file
+    (and the line of the first bad byte)."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise EdgeKVError(f"{what} {path}: {exc.strerror or exc}") from exc
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise EdgeKVError(f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at column {column})") from exc
+
+
+def read_prompts(path: str | Path) -> list[tuple[str, str]]:
+    """(name, system prompt) per line of a `--prompts` JSONL ({"name", "system_prompt"}); a bad line, an empty or
+    repeated name, or one that cannot be a folder name is a one-line error naming the line."""
+    rows, seen = [], set()
+    for n, data in jsonl_records(read_text(path, "--prompts").splitlines(), path):
+        if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not data["name"] or \
+                not isinstance(data.get("system_prompt"), str) or not data["system_prompt"]:
+            raise EdgeKVError(f"{path}:{n}: needs a non-empty 'name' and 'system_prompt'")
+        name = data["name"]
+        if name in seen:
+            raise EdgeKVError(f"{path}:{n}: the name '{name}' is used twice")
+        if "/" in name or name.startswith("."):
+            raise EdgeKVError(f"{path}:{n}: the name '{name}' has a '/' or starts with '.'")
+        seen.add(name)
+        rows.append((name, data["system_prompt"]))
+    if not rows:
+        raise EdgeKVError(f"{path}: no prompts")
+    return rows
+
+
 def jsonl_records(lines: list[str], path: str | Path) -> list[tuple[int, object]]:
     """(line number, value) of each non-blank JSONL line; a line that is not JSON is a one-line error naming it."""
     out = []
@@ -116,10 +152,7 @@ def load_text_file(path: str | Path, field: str = "text") -> TextSource:
     path = Path(path)
     if not path.is_file():
         raise EdgeKVError(f"text file not found: {path}")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as exc:
-        raise EdgeKVError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    lines = read_text(path).splitlines()
     texts: list[str] = []
     if path.suffix == ".jsonl":
         for number, record in jsonl_records(lines, path):
@@ -140,10 +173,7 @@ def read_system_prompt(value: str) -> str:
         path = Path(value[1:])
         if not path.is_file():
             raise EdgeKVError(f"system prompt file not found: {path}")
-        try:
-            value = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise EdgeKVError(f"{path}: not UTF-8 text") from exc
+        value = read_text(path)
     if not value.strip():
         raise EdgeKVError("the system prompt is empty")
     return value

@@ -87,7 +87,7 @@ def test_a_killed_run_leaves_no_half_entry_and_resumes(edge_dir, tmp_path, monke
     done = run_compress_batch(cfg)  # the finished entry is skipped (and listed), the half one computed
     assert (done["computed"], done["skipped"]) == (1, 1)
     assert sorted(r["name"] for r in catalog.entries()) == ["assistant", "background"]
-    assert len(catalog.rebuild_index()) == 2
+    assert len(catalog.rebuild_index()["rows"]) == 2
 
 
 def test_a_tampered_entry_is_refused(edge_dir, tmp_path):

@@ -48,7 +48,7 @@ from edgekv.models.loading import DTYPES, LoadedModel, check_tokenizers, load_mo
 from edgekv.models.structure import context_limit
 from edgekv.plots import loss_curve
 from edgekv.progress import Steps
-from edgekv.texts import jsonl_records, read_system_prompt
+from edgekv.texts import read_prompts, read_system_prompt
 
 log = logging.getLogger("edgekv")
 
@@ -155,28 +155,11 @@ class DistillConfig:
             raise EdgeKVError("batch must be ≥ 1 and freeze_first ≥ 0")
 
 
-def read_prompts(cfg: DistillConfig) -> list[tuple[str, str]]:
-    """(name, system prompt) pairs: the one prompt, or each line of the JSONL (names unique, folder-safe)."""
+def prompts_of(cfg: DistillConfig) -> list[tuple[str, str]]:
+    """(name, system prompt) pairs: the one prompt (`prompt`), or each line of the `--prompts` JSONL."""
     if cfg.system_prompt is not None:
         return [("prompt", read_system_prompt(cfg.system_prompt))]
-    path = Path(cfg.prompts)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise EdgeKVError(f"cannot read --prompts {path}: {exc.strerror or exc}") from exc
-    out, seen = [], set()
-    for n, row in jsonl_records(lines, path):
-        try:
-            name, text = str(row["name"]), str(row["system_prompt"])
-        except (KeyError, TypeError) as exc:
-            raise EdgeKVError(f"{path}:{n}: expected {{\"name\", \"system_prompt\"}} ({type(exc).__name__})") from exc
-        if not name or "/" in name or name.startswith(".") or name in seen:
-            raise EdgeKVError(f"{path}:{n}: name '{name}' is empty, repeated, hidden or has a '/'")
-        seen.add(name)
-        out.append((name, text))
-    if not out:
-        raise EdgeKVError(f"{path}: no prompts")
-    return out
+    return read_prompts(cfg.prompts)
 
 
 def student_length(cfg: DistillConfig, n: int) -> int:
@@ -403,8 +386,8 @@ class DistillWorker:
             settings = {k: v for k, v in to_dict(self.cfg).items() if k not in NOT_IDENTITY}
             key = export_key({"edge": self.edge.fingerprint, "teacher": self.teacher.fingerprint, "prompt": sha,
                               "settings": settings, "distill": True})
-            row, computed = {"key": key, "name": name, "prompt_sha256": sha}, not self.catalog.has(key)
-            if computed:
+            row, computed = {"key": key, "name": name, "prompt_sha256": sha}, self.catalog.status(key) != "ok"
+            if computed:  # missing, or damaged (then written again whole)
                 row = self.catalog.put(key, name, report["out"], sha, index=False)
         return {"report": {k: v for k, v in report.items() if k != "log"}, "row": row, "computed": computed}
 
@@ -415,7 +398,7 @@ def run_distill(cfg: DistillConfig, progress=None, models: tuple[LoadedModel, Lo
     give `cfg.catalog`); a failed prompt is reported and skipped, never left as a half export. `models` = (cloud,
     edge) already loaded (in-process only); the cloud is never loaded for `--teacher self`."""
     cfg.validate()
-    prompts = read_prompts(cfg)
+    prompts = prompts_of(cfg)
     use_ray = cfg.ray is not None
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgekv import EdgeKVError
-from edgekv.texts import DATA_DIR, ROLE_NAMES, iter_sharegpt
+from edgekv.texts import DATA_DIR, ROLE_NAMES, iter_sharegpt, read_text
 
 ROOT = DATA_DIR.parent
 LETTERS = "ABCD"
@@ -55,7 +55,7 @@ def _jsonl(path: Path) -> list[dict]:
     if not path.is_file():
         raise EdgeKVError(f"dataset file not found: {path}")
     rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(read_text(path, "dataset file").splitlines(), 1):
         if line.strip():
             try:
                 rows.append(json.loads(line))

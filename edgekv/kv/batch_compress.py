@@ -16,30 +16,10 @@ from edgekv.kv.compress_job import CompressConfig, run_compress
 from edgekv.kv.export import token_ids_sha256
 from edgekv.models.loading import check_tokenizers, files_sha256, load_pair
 from edgekv.progress import Steps
-from edgekv.texts import jsonl_records
+from edgekv.texts import read_prompts
 
 # settings that never change an export's bytes (where it goes, how it is packaged, where the prompts came from)
 NOT_IDENTITY = {"out", "tar", "system_prompt", "prompts", "catalog", "ray", "workers"}
-
-
-def read_prompts(path: str | Path) -> list[tuple[str, str]]:
-    """(name, system prompt) per JSONL line; a bad line or a repeated name is a one-line error naming it."""
-    rows, seen = [], set()
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise EdgeKVError(f"--prompts {path}: {exc.strerror or exc}") from exc
-    for n, data in jsonl_records(lines, path):
-        if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not data["name"] or \
-                not isinstance(data.get("system_prompt"), str) or not data["system_prompt"]:
-            raise EdgeKVError(f"{path}:{n}: needs a non-empty 'name' and 'system_prompt'")
-        if data["name"] in seen:
-            raise EdgeKVError(f"{path}:{n}: the name '{data['name']}' is used twice")
-        seen.add(data["name"])
-        rows.append((data["name"], data["system_prompt"]))
-    if not rows:
-        raise EdgeKVError(f"{path}: no prompts")
-    return rows
 
 
 def _digest(path: str | None) -> str | None:
@@ -68,32 +48,34 @@ class PromptWorker:
         check_tokenizers(self.cloud.tokenizer, self.edge.tokenizer)
 
     def __call__(self, item: tuple[str, str]) -> dict:
-        """{status: computed | skipped, row}; the entry is written, the index left to the caller."""
+        """{status: computed | repaired | skipped, row}; the entry is written (a damaged one again), the index left
+        to the caller. Skipped means there and verified."""
         name, prompt = item
         ids = self.edge.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         sha = token_ids_sha256(ids)
         key = export_key(identity(self.cfg, self.cloud.fingerprint, self.edge.fingerprint, sha))
-        if self.catalog.has(key):
+        before = self.catalog.status(key)
+        if before == "ok":
             return {"status": "skipped", "row": {"key": key, "name": name, "prompt_sha256": sha}}
         with tempfile.TemporaryDirectory(prefix="edgekv-batch-") as tmp:
             one = replace(self.cfg, out=str(Path(tmp) / "kv"), system_prompt=prompt, prompts=None, catalog=None,
                           tar=False, ray=None, workers=1)
             run_compress(one, None, (self.cloud, self.edge))
             row = self.catalog.put(key, name, Path(tmp) / "kv", sha, index=False)
-        return {"status": "computed", "row": row}
+        return {"status": "repaired" if before == "damaged" else "computed", "row": row}
 
 
 def run_compress_batch(cfg: CompressConfig, progress=None, models=None) -> dict:
     """Every prompt of cfg.prompts into cfg.catalog, in this process or on Ray (`cfg.ray`, `cfg.workers` actors
-    that each load the models once); returns {computed, skipped, failed: [{name, error}], entries}. The index is
-    written here, once, from what the workers report (they never race on it)."""
+    that each load the models once); returns {computed, repaired, skipped, failed: [{name, error}], entries}. The
+    index is written here, once, from what the workers report, under the catalog's index lock."""
     prompts = read_prompts(cfg.prompts)
     catalog = Catalog(cfg.catalog)
     advance = Steps(progress).task(f"compress → {cfg.catalog}", len(prompts))
     use_ray = cfg.ray is not None
     results = run_items(lambda: PromptWorker(cfg, None if use_ray else models), prompts,
                         address=cfg.ray or None, workers=cfg.workers, on_done=lambda r: advance(), use_ray=use_ray)
-    out = {"computed": 0, "skipped": 0, "failed": [], "entries": []}
+    out = {"computed": 0, "repaired": 0, "skipped": 0, "failed": [], "entries": []}
     written = []
     for r in results:
         name = r["item"][0]
@@ -102,6 +84,6 @@ def run_compress_batch(cfg: CompressConfig, progress=None, models=None) -> dict:
             continue
         out[r["status"]] += 1
         out["entries"].append({k: r["row"][k] for k in ("name", "key", "prompt_sha256")})
-        written.append((r["row"], r["status"] == "computed"))
+        written.append((r["row"], r["status"] != "skipped"))
     catalog.list_written(written)
     return out

@@ -12,12 +12,13 @@ from edgekv.progress import Steps
 from edgekv.serve.engine import Engine, GenRequest, SamplingParams
 from edgekv.serve.serve_job import ServeConfig
 from edgekv.serve.session import EdgeSession
+from edgekv.texts import read_text
 
 
 def read_batch(path: str | Path, cfg: ServeConfig) -> list[tuple[str, str, SamplingParams]]:
     """(id, prompt, params) per JSONL line; a bad line is a one-line error naming it."""
     rows = []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(read_text(path, "--batch").splitlines(), 1):
         if not line.strip():
             continue
         try:
