@@ -22,6 +22,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -88,10 +89,17 @@ def main() -> None:
     ap.add_argument("--prompts", type=Path, required=True, help="JSONL of {name, system_prompt}")
     ap.add_argument("--limit", type=int, default=6)
     ap.add_argument("--recipe", type=Path, default=ROOT / "configs/distill.yaml")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                    help="also measure the recipe with these settings changed (e.g. n40:queries=40)")
     ap.add_argument("--out", type=Path, default=ROOT / "reports/distill-teacher")
     args = ap.parse_args()
     cfg = load_config(DistillConfig, "distill", args.recipe, {"out": str(args.out / "work"),
                                                               "prompts": str(args.prompts)})
+    variants = {}
+    for spec in args.variant:
+        name, _, changes = spec.partition(":")
+        variants[name] = replace(cfg, **{k: type(getattr(cfg, k))(v) for k, v in
+                                         (c.split("=", 1) for c in changes.split(","))})
     cloud, edge = load_model(cfg.cloud, cfg.dtype), load_model(cfg.edge, cfg.dtype)
     prompts = read_prompts(args.prompts)[:args.limit]
     rows = []
@@ -101,10 +109,12 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         row = {"name": name, "system_tokens": int(ids.numel()), "v1": v1_teacher(cloud, ids),
                "batched": batched_teacher(cfg, cloud, edge, ids, work)}
-        for side in ("v1", "batched"):
+        for vname, vcfg in variants.items():
+            row[vname] = batched_teacher(vcfg, cloud, edge, ids, work)
+        for side in ("v1", "batched", *variants):
             row[side]["tokens_per_cloud_s"] = row[side]["supervised_tokens"] / row[side]["cloud_s"]
         rows.append(row)
-        print(json.dumps({k: row[k] for k in ("name", "v1", "batched")}), flush=True)
+        print(json.dumps(row), flush=True)
     med = lambda side, key: statistics.median(r[side][key] for r in rows)  # noqa: E731
     summary = {
         "supervised_tokens_per_prompt": {s: med(s, "supervised_tokens") for s in ("v1", "batched")},
@@ -113,6 +123,9 @@ def main() -> None:
         "ratios": {"supervised_tokens": med("batched", "supervised_tokens") / med("v1", "supervised_tokens"),
                    "cloud_s": med("batched", "cloud_s") / med("v1", "cloud_s"),
                    "tokens_per_cloud_s": med("batched", "tokens_per_cloud_s") / med("v1", "tokens_per_cloud_s")},
+        "variants": {v: {"settings": {k: getattr(c, k) for k in RECIPE},
+                         **{key: med(v, key) for key in ("supervised_tokens", "cloud_s", "tokens_per_cloud_s")}}
+                     for v, c in variants.items()},
         "prompts": len(rows), "recipe": args.recipe.name, "recipe_settings": {k: getattr(cfg, k) for k in RECIPE},
         "threads": torch.get_num_threads(), "rows": rows,
     }

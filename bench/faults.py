@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -77,24 +75,11 @@ def _writer(edge_dir: str, prompts: str, url: str, ray: bool, result: str) -> No
     Path(result).write_text(json.dumps(done))
 
 
-def _killer(root: Path, killed: list) -> None:
-    import psutil
-
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and not killed:
-        if any(root.glob("*/manifest.json")):
-            for proc in psutil.process_iter(["pid", "cmdline"]):
-                if any("ray::Actor" in part for part in (proc.info["cmdline"] or [])):
-                    os.kill(proc.info["pid"], signal.SIGKILL)
-                    killed.append(proc.info["pid"])
-                    return
-        time.sleep(0.01)
-
-
 def concurrent_batch(writers: int, prompts: int, work: Path) -> dict:
     """The batch of the module doc; returns its counts."""
     sys.path.insert(0, str(ROOT))
     from tests.conftest import byte_tokenizer, save_model, tiny_qwen2
+    from tests.test_faults import kill_one_actor_after_first_entry
 
     edge_dir = save_model(tiny_qwen2(3, 32, 4, 2, seed=7, init=0.2), byte_tokenizer(), work / "edge")
     texts = [f"System {k}: you answer questions about topic {k} briefly and exactly. " * 2
@@ -108,7 +93,7 @@ def concurrent_batch(writers: int, prompts: int, work: Path) -> dict:
         files.append(path)
     url = work / "catalog"
     killed: list[int] = []
-    watcher = threading.Thread(target=_killer, args=(url, killed))
+    watcher = threading.Thread(target=kill_one_actor_after_first_entry, args=(url, killed, 900))
     watcher.start()
     start = time.perf_counter()
     ctx = mp.get_context("spawn")

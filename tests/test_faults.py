@@ -53,19 +53,34 @@ def _whole(url: str, names: list[str]) -> None:
 
 # ------------------------------------------------------------------------------------------------ Ray workers
 
-def _kill_one_actor_after_first_entry(root: Path, killed: list) -> None:
-    """SIGKILL one Ray actor process as soon as the first entry's manifest appears (a worker dying mid-batch)."""
+def _actor_pids() -> list[int]:
     import psutil
 
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not killed:
+    return [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
+            if any("ray::Actor" in part for part in (p.info["cmdline"] or []))]
+
+
+def kill_one_actor_after_first_entry(root: Path, killed: list, timeout: float = 300) -> None:
+    """SIGKILL one Ray actor process of this batch as soon as the first entry's manifest appears (a worker dying
+    mid-batch). The batch's actors (those that appear after this starts) are found while they load their models,
+    so the kill lands the moment the entry does."""
+    deadline = time.monotonic() + timeout
+    before = set(_actor_pids())  # actors of another batch or an earlier test: never this batch's workers
+    pids: list[int] = []
+    while time.monotonic() < deadline and not pids:
+        pids = [pid for pid in _actor_pids() if pid not in before]
+        time.sleep(0.05)
+    while time.monotonic() < deadline:
         if any(root.glob(f"*/{MANIFEST}")):
-            for proc in psutil.process_iter(["pid", "cmdline"]):
-                if any("ray::Actor" in part for part in (proc.info["cmdline"] or [])):
-                    os.kill(proc.info["pid"], signal.SIGKILL)
-                    killed.append(proc.info["pid"])
-                    return
-        time.sleep(0.01)
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    continue
+                killed.append(pid)
+                return
+            return
+        time.sleep(0.002)
 
 
 @pytest.mark.slow
@@ -74,7 +89,7 @@ def test_ray_retry_reaches_a_live_worker(edge_dir, tmp_path):
     prompt is written (the lost task retried on a live or fresh actor), none failed, the catalog whole."""
     url = str(tmp_path / "cat")
     killed: list[int] = []
-    watcher = threading.Thread(target=_kill_one_actor_after_first_entry, args=(tmp_path / "cat", killed))
+    watcher = threading.Thread(target=kill_one_actor_after_first_entry, args=(tmp_path / "cat", killed))
     watcher.start()
     done = run_compress_batch(_cfg(edge_dir, prompts=str(_prompts(tmp_path / "p.jsonl", 8)), catalog=url, ray="",
                                    workers=2))
