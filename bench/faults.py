@@ -1,6 +1,7 @@
 """The fault matrix and a concurrent batch under a kill (issue 35).
 
     python -m bench.faults [--writers 4] [--prompts 200] [--out reports/faults] [--before BEFORE.xml]
+                           [--skip-matrix | --skip-batch]
 
 1. The matrix: `tests/test_faults.py` run here (pytest, JUnit XML); each case × its outcome. `--before` adds the
    outcomes of the same suite run on an earlier tree (its JUnit XML) as a second column.
@@ -128,15 +129,18 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "reports/faults")
     ap.add_argument("--before", type=Path, default=None, help="JUnit XML of the suite on an earlier tree")
     ap.add_argument("--skip-matrix", action="store_true")
+    ap.add_argument("--skip-batch", action="store_true")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    summary = {}
+    path = args.out / "summary.json"
+    summary = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}  # a part run keeps the other
     if not args.skip_matrix:
         summary["matrix"] = matrix(args.out, args.before)
-    with tempfile.TemporaryDirectory(prefix="edgekv-faults-") as tmp:
-        summary["concurrent_batch"] = concurrent_batch(args.writers, args.prompts, Path(tmp))
-    write_text_atomic(args.out / "summary.json", json.dumps(summary, indent=1))
-    print(json.dumps(summary["concurrent_batch"], indent=1))
+    if not args.skip_batch:
+        with tempfile.TemporaryDirectory(prefix="edgekv-faults-") as tmp:
+            summary["concurrent_batch"] = concurrent_batch(args.writers, args.prompts, Path(tmp))
+    write_text_atomic(path, json.dumps(summary, indent=1))
+    print(json.dumps({k: v for k, v in summary.items() if k != "matrix"}, indent=1))
 
 
 if __name__ == "__main__":

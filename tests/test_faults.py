@@ -269,6 +269,19 @@ def test_a_damaged_file_is_refused_reported_and_healed(edge_dir, tmp_path, kind,
     _whole(url, ["p0", "p1"])
 
 
+@pytest.mark.parametrize("kind,how", [("layer", "flip"), ("manifest", "truncate")])
+def test_a_rerun_heals_a_damaged_entry(edge_dir, tmp_path, kind, how):
+    """The same `compress --prompts` run again after a layer file or the manifest was damaged: the entry is
+    computed again and opens whole (before issue 35 the rerun said "already in" and left it broken)."""
+    url = str(tmp_path / "cat")
+    prompts = str(_prompts(tmp_path / "p.jsonl", 1))
+    run_compress_batch(_cfg(edge_dir, prompts=prompts, catalog=url))
+    key = next(p.name for p in (tmp_path / "cat").iterdir() if p.is_dir())
+    _damage(tmp_path / "cat" / key / ("layer_02.safetensors" if kind == "layer" else MANIFEST), how)
+    run_compress_batch(_cfg(edge_dir, prompts=prompts, catalog=url))
+    KVExport(Catalog(url).source(key)).verify_all()
+
+
 def test_rebuild_keeps_names(edge_dir, tmp_path):
     """A rebuild of a clean catalog restores every entry under its name (names live in each entry's side record),
     also when the index is gone."""
