@@ -141,9 +141,10 @@ def _index_writer(url: str, writer: int, n: int) -> int:
 
 @pytest.mark.parametrize("writers", [2, 4])
 def test_concurrent_index_writers_on_a_folder_lose_no_row(tmp_path, writers):
-    """Processes adding rows to one folder catalog's index at once: no error, no row lost."""
+    """Processes adding rows to one folder catalog's index at once: no error, no row lost. (Spawned, not forked:
+    a fork of a process whose torch, OpenMP or Ray threads are running can crash in the child.)"""
     n = 100
-    with mp.get_context("fork").Pool(writers) as pool:
+    with mp.get_context("spawn").Pool(writers) as pool:
         errors = pool.starmap(_index_writer, [(str(tmp_path), w, n) for w in range(writers)])
     assert errors == [0] * writers
     assert sorted(r["key"] for r in Catalog(str(tmp_path)).entries()) == sorted(
@@ -181,7 +182,7 @@ def test_concurrent_batch_compress_on_one_catalog(edge_dir, tmp_path, writers):
         path.write_text("".join(json.dumps(r) + "\n" for r in rows[w:w + 4]))
         files.append(str(path))
     url = str(tmp_path / "cat")
-    with mp.get_context("fork").Pool(writers) as pool:
+    with mp.get_context("spawn").Pool(writers) as pool:
         done = pool.starmap(_batch_writer, [(edge_dir, f, url) for f in files])
     assert all(d["failed"] == [] and d["computed"] + d["skipped"] == 4 for d in done)
     _whole(url, [f"p{k}" for k in range(writers + 3)])
