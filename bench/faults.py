@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import re
 import subprocess
 import sys
 import tempfile
@@ -32,16 +33,19 @@ from edgekv.kv.compress_job import CompressConfig
 ROOT = Path(__file__).resolve().parent.parent
 
 
+TMP = re.compile(r"/tmp/[^\s'\"]*")  # pytest's temp folders: this machine's paths, never committed
+
+
 def junit_outcomes(path: Path) -> dict[str, str]:
-    """test id → passed | failed | skipped, from a JUnit XML file."""
+    """test id → passed | failed: <first line of the message> | skipped, from a JUnit XML file."""
     out = {}
     for case in ET.parse(path).getroot().iter("testcase"):
         name = case.get("name")
         kind = "passed"
         for child in case:
             if child.tag in ("failure", "error"):
-                kind = "failed: " + (child.get("message") or "").splitlines()[0][:120] if child.get("message") \
-                    else "failed"
+                message = TMP.sub("<tmp>", (child.get("message") or "").splitlines()[0] if child.get("message") else "")
+                kind = f"failed: {message[:120]}" if message else "failed"
             elif child.tag == "skipped":
                 kind = "skipped"
         out[name] = kind
@@ -127,7 +131,8 @@ def main() -> None:
     ap.add_argument("--writers", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=200)
     ap.add_argument("--out", type=Path, default=ROOT / "reports/faults")
-    ap.add_argument("--before", type=Path, default=None, help="JUnit XML of the suite on an earlier tree")
+    ap.add_argument("--before", type=Path, default=None, help="JUnit XML of the suite run on an earlier tree (e.g. "
+                    "`pytest tests/test_faults.py --junitxml=before.xml` in a worktree of that commit)")
     ap.add_argument("--skip-matrix", action="store_true")
     ap.add_argument("--skip-batch", action="store_true")
     args = ap.parse_args()
