@@ -243,3 +243,21 @@ def test_the_engines_step_without_the_wrapper_equals_the_models_forward(session)
 
     for relay in (True, False):
         assert run(True, relay) == run(False, relay)
+
+
+def test_a_follow_up_that_cannot_be_queued_ends_its_place_with_the_error(edge, export, tmp_path):
+    """generate_all(follow=…): a follow-up the engine refuses (here: beyond the context) ends that place with the
+    error instead of leaving the call waiting; the other places get their follow-ups' results."""
+    session = EdgeSession(edge, str(export), cache_dir=tmp_path / "c")
+    engine = Engine(session, max_batch=4, background=False)
+    first = [GenRequest(session.encode_user(u), SamplingParams(max_new_tokens=2)) for u in ("a", "b")]
+    too_long = torch.ones(session.max_context, dtype=torch.long)
+
+    def follow(n, result):
+        if result.prompt_tokens > 8:  # a follow-up's own result: nothing more
+            return None
+        return GenRequest(too_long if n == 0 else session.encode_user("more text here"), SamplingParams(2))
+
+    got = engine.generate_all(first, follow=follow)
+    assert got[0].finish_reason == "error" and "context" in got[0].error
+    assert got[1].finish_reason in ("length", "stop") and got[1].prompt_tokens == len("more text here")

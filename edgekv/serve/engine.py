@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -293,8 +293,11 @@ class Engine:
                     after = follow(n, payload) if follow and payload.finish_reason not in ("error", "cancelled") \
                         else None
                     if after is not None:
-                        self.submit(after, on_event(n))
-                        return
+                        try:
+                            self.submit(after, on_event(n))
+                            return
+                        except EdgeKVError as exc:  # the place ends with the error (never a wait that never ends)
+                            payload = replace(payload, finish_reason="error", error=str(exc))
                     results[n] = payload
                     finished.release()
             return handle
