@@ -117,8 +117,9 @@ def synthesize(teacher: BatchedTeacher, system_ids: torch.Tensor, plan: list[str
     tok = teacher.model.tokenizer
     spans = windows(system_ids.numel(), len(plan), window_tokens, rng=random.Random(seed))
     encode = lambda text: torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)  # noqa
-    users: dict[int, torch.Tensor] = {}
-    answering: set[int] = set()
+    users: dict[int, torch.Tensor] = {}  # the user message of each exchange once it is known
+    answering: set[int] = set()  # the exchanges the teacher answers
+    label = lambda n: f"{INSTRUCTION}:{n % len(instructions)}" if plan[n] == INSTRUCTION else plan[n]  # noqa: E731
 
     def answer_request(n: int, text: str) -> GenRequest | None:
         users[n] = encode(text)
@@ -142,7 +143,7 @@ def synthesize(teacher: BatchedTeacher, system_ids: torch.Tensor, plan: list[str
                                 ["\n"]))
 
     def follow(n: int, written: Result) -> GenRequest | None:
-        if n in answering or n in users:  # an answer, or a query left to the student: nothing follows
+        if n in users:  # an answer, or a query left to the student: nothing follows
             return None
         query = written.text.strip()
         return answer_request(n, answer_format.format(query=query)) if query else None
@@ -158,10 +159,8 @@ def synthesize(teacher: BatchedTeacher, system_ids: torch.Tensor, plan: list[str
             raise EdgeKVError(f"the teacher failed to answer: {r.error}")
         if len(r.token_ids) >= 2:
             logp, ids = (t.clone() for t in r.targets)  # out of the engine's inference mode
-            label = f"{INSTRUCTION}:{n % len(instructions)}" if plan[n] == INSTRUCTION else plan[n]
-            samples.append(Sample(label, users[n], torch.tensor(r.token_ids, dtype=torch.long), ids, logp))
-    theirs = [(f"{INSTRUCTION}:{n % len(instructions)}" if plan[n] == INSTRUCTION else plan[n], users[n])
-              for n in sorted(users) if student[n] and users[n].numel()]
+            samples.append(Sample(label(n), users[n], torch.tensor(r.token_ids, dtype=torch.long), ids, logp))
+    theirs = [(label(n), users[n]) for n in sorted(users) if student[n] and users[n].numel()]
     return samples, theirs
 
 
