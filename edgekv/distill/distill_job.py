@@ -34,6 +34,7 @@ from edgekv.distill.student import (
 from edgekv.distill.teacher import (
     INSTRUCTION,
     SEED_PROMPTS,
+    WRITER,
     BatchedTeacher,
     Sample,
     plan_seeds,
@@ -244,7 +245,10 @@ def distill_one(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, nam
     ids = torch.tensor(edge.tokenizer(prompt, add_special_tokens=True)["input_ids"], dtype=torch.long)
     if not prompt.strip() or ids.numel() == 0:
         raise EdgeKVError(f"{name}: the system prompt is empty")
-    longest_writer = cfg.window_tokens + 64 + cfg.max_query_tokens  # the writer's prompt: window + seed text
+    seeds = [cfg.seed_prompts[k] for k in cfg.seeds if k != INSTRUCTION]
+    longest_writer = max((len(edge.tokenizer(WRITER.format(window="", seed=p), add_special_tokens=False)["input_ids"])
+                          for p in seeds), default=0) + cfg.window_tokens + 8 + cfg.max_query_tokens  # a re-encoded
+    # window may take a few more tokens than it had
     longest_user = max([len(edge.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in cfg.instructions]
                        + [cfg.max_query_tokens + 8])
     need = ids.numel() + max(longest_writer, longest_user + cfg.max_answer_tokens)
