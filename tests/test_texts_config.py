@@ -54,6 +54,15 @@ def test_shipped_configs_load(name):
     assert cfg.cloud and cfg.edge
 
 
+@pytest.mark.parametrize("name", ["distill.yaml", "distill-data.yaml"])
+def test_shipped_distill_configs_load(name):
+    """Every key of a shipped distill config is a setting, and its values pass validation."""
+    from edgekv.distill.distill_job import DistillConfig
+
+    cfg = load_config(DistillConfig, "distill", ROOT / "configs" / name, {"system_prompt": "x"})
+    assert cfg.queries >= 2 and cfg.seeds
+
+
 def test_shipped_config_pairs():
     default = load_config(AlignConfig, "align", ROOT / "configs/default.yaml", {"out": "x"})
     paper = load_config(AlignConfig, "align", ROOT / "configs/opt-6.7b_1.3b.yaml", {"out": "x"})
