@@ -2,7 +2,7 @@
 for each setting, one factor at a time around a base, paired over prompts.
 
     python -m bench.distill_sweep [--xsum 12] [--sharegpt 12] [--out reports/distill-sweep] [--only NAME,...]
-    python -m bench.distill_sweep --report-only      # summary.json, report.md and plots from rows.jsonl
+    python -m bench.distill_sweep --report-only      # summary.json and loss_curves.png from rows.jsonl
 
 Tuning prompts: XSum records 107.. (the eval samples records 0..106) and ShareGPT conversations from record 8,000
 (the eval scans 5,000..7,999); each request's user prompt and reference are used only to score, never as a seed.
@@ -123,7 +123,9 @@ def run_prompt(req, cloud, edge, out: Path, done: set, only: set | None, progres
 
 
 def summarise(out: Path) -> dict:
-    """summary.json, report.md and loss curves from rows.jsonl."""
+    """summary.json and loss_curves.png from rows.jsonl."""
+    if not (out / "rows.jsonl").exists():
+        raise SystemExit(f"error: {out / 'rows.jsonl'}: no rows yet (run the sweep first)")
     rows = [json.loads(line) for line in (out / "rows.jsonl").read_text(encoding="utf-8").splitlines() if line]
     summary: dict = {"settings": {}, "base": BASE, "data": DATA, "train": TRAIN, "held_out_sequences": HELD}
     for ds in sorted({r["dataset"] for r in rows}) + ["all"]:
