@@ -99,7 +99,8 @@ def run_prompt(req, cloud, edge, out: Path, done: set, only: set | None, progres
         if cfg.on_policy:  # the same queries, half of them answered by the student and scored by the teacher
             mixed = replace(base, queries=POOL + HELD, on_policy=cfg.on_policy)
             both, _ = _synthetic(mixed, cloud, edge, student0, ids, work / "on-policy", Steps(progress))
-            train = [s for s in both if s.user.tolist() not in [h.user.tolist() for h in held]][:cfg.queries]
+            held_users = {tuple(h.user.tolist()) for h in held}
+            train = [s for s in both if tuple(s.user.tolist()) not in held_users][:cfg.queries]
         steps = steps_for(len(train), cfg.batch)
         cfg = replace(cfg, steps=steps)
         start = time.perf_counter()
