@@ -15,10 +15,11 @@ import time
 
 import torch
 
-from edgekv.align.align_job import AlignConfig, calibration_source, drop_massive_tokens, similarity_all, tokenize
+from edgekv.align.align_job import AlignConfig, calibration_source, drop_massive_tokens, similarity_all
 from edgekv.models.capture import capture
 from edgekv.models.loading import load_model
 from edgekv.progress import Steps
+from edgekv.texts import tokenize
 
 
 def _median_time(fn, repeats: int):

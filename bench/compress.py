@@ -16,15 +16,10 @@ from pathlib import Path
 
 import torch
 
-from edgekv.kv.compress_job import (
-    CompressConfig,
-    _calibration,
-    encode_layer,
-    get_translator,
-    heterogeneous_layers,
-    raw_fp16_bytes,
-    resolve_pairs,
-)
+from edgekv.align.mapping import layer_pairs
+from edgekv.kv.cloud_kv import calibration, get_translator, heterogeneous_layers
+from edgekv.kv.compress_job import CompressConfig
+from edgekv.kv.encode import encode_layer, raw_fp16_bytes
 from edgekv.models.loading import load_model
 from edgekv.models.structure import attn_shape
 from edgekv.progress import Steps
@@ -57,10 +52,10 @@ def main() -> None:
                          translator=args.translator)
     cloud, edge = load_model(cfg.cloud), load_model(cfg.edge)
     ids = xsum_prompt(edge.tokenizer, args.tokens)
-    pairs, source = resolve_pairs(cfg, cloud.num_layers, edge.num_layers, same=False)
+    pairs, source = layer_pairs(cfg.mapping, cfg.start_layer, cloud.num_layers, edge.num_layers)
     timings: dict = {}
     start = time.perf_counter()
-    translator, edge_cal = get_translator(cfg, cloud, edge, pairs, _calibration(cfg, edge.tokenizer), Steps())
+    translator, edge_cal = get_translator(cfg, cloud, edge, pairs, calibration(cfg, edge.tokenizer), Steps())
     timings["calibration_s"] = time.perf_counter() - start
     layers = heterogeneous_layers(cloud, edge, ids, translator, edge_cal, cfg)
     print(f"system prompt: {ids.numel()} XSum tokens; mapping: {source}; map on {args.map_on}; "

@@ -40,7 +40,7 @@ def profile_weights(weights: str, system: int, tokens: int) -> dict:
     from bench.compress import xsum_prompt
     from edgekv.models.loading import load_model
     from edgekv.models.prepack import prepack_linears
-    from edgekv.serve.engine import SamplingParams
+    from edgekv.serve.sampling import SamplingParams
     from edgekv.serve.session import EdgeSession
 
     edge = load_model("default-edge", "bfloat16", weights=weights)
@@ -48,7 +48,7 @@ def profile_weights(weights: str, system: int, tokens: int) -> dict:
         prepack_linears(edge.model)
     ids = xsum_prompt(edge.tokenizer, system)
     session = EdgeSession(edge, None, edge.tokenizer.decode(ids), cache_dir=None)
-    session.eos_ids = set()
+    session.eos_ids.clear()
     user = edge.tokenizer("\nUser: summarise the text above.\nAssistant:", add_special_tokens=False)["input_ids"]
     user = torch.tensor(user)
     session.complete(user, SamplingParams(max_new_tokens=4))  # warm-up

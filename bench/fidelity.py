@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 from rich.progress import Progress
 
-from edgekv.align.align_job import tokenize
 from edgekv.align.mapping import MappingParams, build_mapping
 from edgekv.eval.fidelity import context_gain, delta_ci95, evaluate_text, paired_delta, summarize
 from edgekv.kv.registry import TRANSLATORS, load_translator
@@ -33,7 +32,7 @@ from edgekv.kv.training import load_trained
 from edgekv.models.capture import capture
 from edgekv.models.loading import load_model
 from edgekv.plots import interval_plot
-from edgekv.texts import iter_sharegpt, render_conversation, sharegpt_texts, split_texts, xsum_documents
+from edgekv.texts import iter_sharegpt, render_conversation, sharegpt_texts, split_texts, tokenize, xsum_documents
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -39,7 +39,7 @@ def same_model_exact(dtype: str, tokens: int = 16) -> dict:
     """Spliced same-model greedy vs generate on the concatenation, on CUDA."""
     from edgekv.kv.compress_job import CompressConfig, run_compress
     from edgekv.models.loading import load_model
-    from edgekv.serve.engine import SamplingParams
+    from edgekv.serve.sampling import SamplingParams
     from edgekv.serve.session import EdgeSession
 
     system, user = article(), "Summarise the article in one sentence."
@@ -49,7 +49,7 @@ def same_model_exact(dtype: str, tokens: int = 16) -> dict:
                                 start_layer=12))
     edge = load_model("default-edge", dtype, device="cuda")
     session = EdgeSession(edge, str(out), cache_dir="runs/gpu-smoke/copies")
-    session.eos_ids = set()
+    session.eos_ids.clear()
     got = session.complete(user, SamplingParams(max_new_tokens=tokens)).token_ids
     ids = edge.tokenizer(system)["input_ids"] + edge.tokenizer(user, add_special_tokens=False)["input_ids"]
     with torch.no_grad():

@@ -29,7 +29,7 @@ from edgekv.atomic import write_text_atomic
 from edgekv.kv.compress_job import CompressConfig, run_compress
 from edgekv.models.loading import load_model
 from edgekv.models.prepack import prepack_linears
-from edgekv.serve.engine import limit_onednn_cache, on_fresh_thread
+from edgekv.runtime import limit_onednn_cache, on_fresh_thread
 from edgekv.serve.http_server import EdgeServer
 from edgekv.serve.session import EdgeSession
 from edgekv.summary import percentile

@@ -25,7 +25,8 @@ def measure(mode: str, requests: int) -> dict:
     """One process's figures; `mode` is main or fresh."""
     import torch
 
-    from edgekv.serve.engine import Engine, GenRequest, SamplingParams
+    from edgekv.serve.requests import GenRequest
+    from edgekv.serve.sampling import SamplingParams
     from edgekv.serve.serve_job import ServeConfig, _open, open_session
     from edgekv.texts import sharegpt_texts
 
@@ -36,7 +37,7 @@ def measure(mode: str, requests: int) -> dict:
     tok = session.edge.tokenizer
     users = [torch.tensor(ids[:64]) for ids in (tok(t, add_special_tokens=False)["input_ids"]
                                                 for t in sharegpt_texts(200, offset=3000).texts) if len(ids) >= 64][:3]
-    engine = Engine(session, max_batch=1)
+    engine = session.engine(max_batch=1)
     try:
         for u in users:  # warm-up
             engine.generate(GenRequest(u, SamplingParams(max_new_tokens=1)))

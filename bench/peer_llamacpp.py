@@ -61,7 +61,7 @@ def edgekv_worker(a) -> dict:
     from bench.serve_throughput import run_engine, user_prompts
     from edgekv.models.loading import load_model
     from edgekv.models.prepack import prepack_linears
-    from edgekv.serve.engine import SamplingParams
+    from edgekv.serve.sampling import SamplingParams
     from edgekv.serve.session import EdgeSession
 
     torch.set_num_threads(a.threads)
@@ -75,7 +75,7 @@ def edgekv_worker(a) -> dict:
     with torch.no_grad():
         prefill = _median(lambda: edge.model(full, logits_to_keep=1), a.reps)
     session = EdgeSession(edge, None, edge.tokenizer.decode(system), cache_dir=None)
-    session.eos_ids = set()
+    session.eos_ids.clear()
     u = torch.tensor(user)
     ttft = statistics.median(session.complete(u, SamplingParams(max_new_tokens=1)).ttft_s for _ in range(a.reps + 1))
     decode = []

@@ -25,7 +25,8 @@ from pathlib import Path
 
 from edgekv.atomic import write_text_atomic
 from edgekv.config import load_config
-from edgekv.eval.eval_job import EvalConfig, run_eval
+from edgekv.eval.eval_config import EvalConfig
+from edgekv.eval.eval_job import run_eval
 from edgekv.kv.batch_compress import run_compress_batch
 from edgekv.kv.compress_job import CompressConfig
 from edgekv.models.loading import load_tokenizer

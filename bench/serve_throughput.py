@@ -30,7 +30,9 @@ from transformers import GenerationConfig
 from edgekv.atomic import write_text_atomic
 from edgekv.models.loading import load_model
 from edgekv.models.prepack import prepack_linears
-from edgekv.serve.engine import Engine, GenRequest, SamplingParams, on_fresh_thread
+from edgekv.runtime import on_fresh_thread
+from edgekv.serve.requests import GenRequest
+from edgekv.serve.sampling import SamplingParams
 from edgekv.serve.session import EdgeSession
 from edgekv.summary import percentile
 from edgekv.texts import iter_sharegpt, sharegpt_texts
@@ -71,7 +73,7 @@ def user_prompts(tokenizer, n: int) -> list[torch.Tensor]:
 
 def run_engine(session: EdgeSession, prompts: list[torch.Tensor], answer: int, max_batch: int) -> dict:
     """C requests submitted together to an engine; per-request TTFT and latency."""
-    engine = Engine(session, max_batch=max_batch, max_queue=max(len(prompts), 1))
+    engine = session.engine(max_batch=max_batch, max_queue=max(len(prompts), 1))
     try:
         engine.generate(GenRequest(prompts[0], SamplingParams(max_new_tokens=4)))  # warm-up
         base = psutil.Process().memory_info().rss
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
     # OpenMP pool is alive at a time (two throttle each other's spin-waits on this 2-core machine; see Engine)
     session = on_fresh_thread(setup)
     edge = session.edge
-    session.eos_ids = set()  # every answer has --answer tokens
+    session.eos_ids.clear()  # every answer has --answer tokens
     system = session.system.system_ids
     levels = [int(c) for c in args.clients.split(",")]
     pool = user_prompts(edge.tokenizer, max(levels))

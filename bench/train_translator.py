@@ -18,12 +18,11 @@ import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bench.fidelity import full_depth_pairs
-from edgekv.align.align_job import tokenize
 from edgekv.kv.training import prepare, train
 from edgekv.kv.translators import HiddenTranslator, TrainedTranslator
 from edgekv.models.capture import capture
 from edgekv.models.loading import load_model
-from edgekv.texts import iter_sharegpt, render_conversation, sharegpt_texts, split_texts
+from edgekv.texts import iter_sharegpt, render_conversation, sharegpt_texts, split_texts, tokenize
 
 
 def main() -> None:

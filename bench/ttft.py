@@ -32,8 +32,9 @@ from edgekv.kv.compress_job import CompressConfig, run_compress
 from edgekv.models.loading import load_model
 from edgekv.models.prepack import prepack_linears
 from edgekv.models.structure import decoder_layers
-from edgekv.serve.engine import Engine, GenRequest, SamplingParams
 from edgekv.serve.pipeline import Link, overlap_efficiency, predict_ttft
+from edgekv.serve.requests import GenRequest
+from edgekv.serve.sampling import SamplingParams
 from edgekv.serve.session import EdgeSession
 from edgekv.texts import sharegpt_texts
 
@@ -140,7 +141,7 @@ def main() -> None:
             n[0] += 1
         return run
 
-    engine = Engine(same, max_batch=1, background=False)  # every condition computes on this one thread
+    engine = same.engine(max_batch=1, background=False)  # every condition computes on this one thread
 
     def engine_run(n=[0]):
         engine.generate(GenRequest(users[n[0] % 3], SamplingParams(max_new_tokens=1)))
@@ -220,7 +221,7 @@ def main() -> None:
 
     # ---- bf16 exactness of the same-model splice
     agree, diffs = [], []
-    same.eos_ids = set()
+    same.eos_ids.clear()
     for u in users:
         full = torch.cat([sys_ids, u])[None]
         with torch.no_grad():

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import os
 import sys
+import types
+import typing
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from edgekv import EdgeKVError
+from edgekv.config import load_config
 
 console = Console(stderr=True)
 
@@ -66,3 +73,67 @@ def parse_floats(value: str | None) -> list[float] | None:
         return [float(v) for v in items]
     except ValueError:
         raise EdgeKVError(f"expected comma-separated numbers, got '{value}'") from None
+
+
+def _show(value: Any) -> str | None:
+    """A default as the help shows it (None: nothing to show)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+def _option(f: dataclasses.Field, hint: Any) -> tuple[inspect.Parameter, Callable[[Any], Any]]:
+    """One config field as a Typer option (default None: unset flags leave the YAML and the field's default) and the
+    conversion of its value."""
+    meta = f.metadata
+    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    shown = meta["shown"] or _show(default)
+    help_text = f"{meta['help'].rstrip('.')} [{shown}]." if shown not in (None, "") else meta["help"]
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    if meta["repeat"]:
+        annotation, convert = Optional[list[str]], list
+    elif list in (typing.get_origin(a) for a in args):
+        item = typing.get_args(next(a for a in args if typing.get_origin(a) is list))[0]
+        annotation = Optional[str]
+        convert = parse_floats if item in (float, int) else parse_list
+    else:
+        base = next(a for a in args if a is not type(None))
+        annotation, convert = Optional[base], (lambda v: v)
+    decls = [meta["toggle"]] if meta["toggle"] else []
+    option = typer.Option(None, *decls, help=help_text)
+    parse = meta["parse"]
+    name = meta["flag"] or f.name
+    return (inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation),
+            (lambda v: parse(convert(v))) if parse else convert)
+
+
+def config_command(cls: type, section: str, config_help: str = "YAML config (flags override it).") -> Callable:
+    """A command whose options are `cls`'s settings: flags, YAML keys and defaults from the same fields.
+
+    The decorated function receives the config built from the field defaults, the `--config` file, then the flags."""
+    hints = typing.get_type_hints(cls)
+    fields = [f for f in dataclasses.fields(cls) if "help" in f.metadata]
+    built = [(f.name, *_option(f, hints[f.name])) for f in fields]
+    params = [p for _, p, _ in built]
+    params.append(inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY,
+                                    default=typer.Option(None, help=config_help), annotation=Optional[Path]))
+
+    def deco(present: Callable[[Any], None]) -> Callable:
+        def command(**flags: Any) -> None:
+            overrides = {field: (convert(flags[p.name]) if flags[p.name] is not None else None)
+                         for field, p, convert in built}
+            present(load_config(cls, section, flags["config"], overrides))
+
+        command.__signature__ = inspect.Signature(params)
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        command.__name__, command.__doc__ = present.__name__, present.__doc__
+        command.config_class = cls
+        return one_line_errors(command)
+
+    return deco

@@ -3,66 +3,18 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.table import Table
 
-from cli.common import console, one_line_errors, progress_bar
-from edgekv.config import load_config
+from cli.common import config_command, console, progress_bar
 from edgekv.kv.batch_compress import run_compress_batch
 from edgekv.kv.compress_job import CompressConfig, run_compress
 
 
-@one_line_errors
-def compress(
-    cloud: Optional[str] = typer.Option(None, help="Cloud model: alias, hub id, directory or .gguf."),
-    edge: Optional[str] = typer.Option(None, help="Edge model; equal to --cloud gives an exact same-model export."),
-    system_prompt: Optional[str] = typer.Option(None, help="The system prompt: TEXT or @FILE."),
-    out: Optional[Path] = typer.Option(None, help="Export directory (or .tar with --tar), written atomically."),
-    mapping: Optional[Path] = typer.Option(None, help="mapping.json of `edgekv align` [uniform / identity]."),
-    start_layer: Optional[int] = typer.Option(None, help="First edge layer taken from the cloud (m)."),
-    prune_ratio: Optional[float] = typer.Option(None, help="ThinK key-channel pruning ratio λ in [0, 1) [0]."),
-    window: Optional[int] = typer.Option(None, help="ThinK observation window: last w prompt positions [32]."),
-    keep_recent: Optional[int] = typer.Option(None, help="Last r tokens keep every key channel [0]."),
-    quant: Optional[str] = typer.Option(None, help="fp16, bf16, int8 or int4 [fp16]."),
-    map_on: Optional[str] = typer.Option(None, help="Apply the cross-model map on the cloud or the edge [cloud]."),
-    translator: Optional[str] = typer.Option(
-        None, help="Cross-model translator: ridge, hidden, trained, fuse-bias, fuse-residual [ridge, or the "
-                   "shipped fuser with --splice auto]."),
-    translator_path: Optional[Path] = typer.Option(None, help="A saved translator (needed for trained) [fit one]."),
-    local_sink_tokens: Optional[int] = typer.Option(None, help="First s prompt tokens the edge computes itself [1]."),
-    splice: Optional[str] = typer.Option(None, help="replace (cloud KV instead of the edge's), fuse (beside it, "
-                                         "through a trained fuser's gates), or auto: fuse with the shipped fuser of "
-                                         "this exact pair when no --translator is given, else replace [auto]."),
-    calib: Optional[Path] = typer.Option(None, help="Calibration texts for the maps (.jsonl/.txt) [ShareGPT]."),
-    calib_texts: Optional[int] = typer.Option(None, help="Calibration texts [16]."),
-    calib_tokens: Optional[int] = typer.Option(None, help="Tokens per calibration text [256]."),
-    tar: Optional[bool] = typer.Option(None, "--tar/--no-tar", help="Write one .tar instead of a directory."),
-    dtype: Optional[str] = typer.Option(None, help="bfloat16, float16 or float32 [bfloat16]."),
-    device: Optional[str] = typer.Option(None, help="cpu, cuda or auto (CUDA when torch sees a GPU) [cpu]."),
-    weights: Optional[str] = typer.Option(None, help="The edge's linears: bf16, int8 or int4 (weight-only) [bf16]."),
-    device_map: Optional[str] = typer.Option(None, help="accelerate device map for large models, e.g. auto."),
-    seed: Optional[int] = typer.Option(None, help="Seed [0]."),
-    prompts: Optional[Path] = typer.Option(None, help="JSONL of {name, system_prompt}: one export each (--catalog)."),
-    catalog: Optional[str] = typer.Option(None, help="Catalog of exports: a folder or fsspec URL (with --prompts)."),
-    ray: Optional[str] = typer.Option(None, help="Run --prompts on Ray: 'local' starts one here, 'auto' or an "
-                                      "address joins a cluster [in-process]."),
-    workers: Optional[int] = typer.Option(None, help="Ray actors, each loading the models once [2]."),
-    config: Optional[Path] = typer.Option(None, help="YAML config (flags override it)."),
-) -> None:
+@config_command(CompressConfig, "compress")
+def compress(cfg: CompressConfig) -> None:
     """Compress the cloud's system-prompt KV (ThinK pruning, quantization, cross-model maps) into a KV export."""
-    overrides = dict(cloud=cloud, edge=edge, system_prompt=system_prompt, out=str(out) if out else None,
-                     mapping=str(mapping) if mapping else None, start_layer=start_layer, prune_ratio=prune_ratio,
-                     window=window, keep_recent=keep_recent, quant=quant, map_on=map_on, translator=translator,
-                     translator_path=str(translator_path) if translator_path else None,
-                     local_sink_tokens=local_sink_tokens, splice=splice,
-                     calib=str(calib) if calib else None, calib_texts=calib_texts, calib_tokens=calib_tokens,
-                     prompts=str(prompts) if prompts else None, catalog=catalog,
-                     ray="" if ray == "local" else ray, workers=workers, tar=tar, dtype=dtype, device=device,
-                     weights=weights, device_map=device_map, seed=seed)
-    cfg = load_config(CompressConfig, "compress", config, overrides)
     if cfg.prompts:
         with progress_bar() as progress:
             done = run_compress_batch(cfg, progress)

@@ -2,35 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Optional
-
-import typer
-
-from cli.common import console, one_line_errors, parse_floats, progress_bar
-from edgekv.config import load_config
+from cli.common import config_command, console, progress_bar
 from edgekv.eval.plan_job import PlanConfig, run_plan
 
 
-@one_line_errors
-def plan(
-    config: Optional[Path] = typer.Option(None, help="YAML config, e.g. configs/plan.yaml."),
-    qpb: Optional[Path] = typer.Option(None, help="Eval run with the quality-per-byte variants [reports/eval-qpb]."),
-    link: Optional[list[str]] = typer.Option(None, help="MBPS[,MS] (repeatable) [a sweep of seven links]."),
-    max_quality_loss: Optional[float] = typer.Option(None, help="Nats/token the answer may lose vs the edge's own "
-                                                               "exact prefill [0.02]."),
-    dataset: Optional[str] = typer.Option(None, help="Dataset whose quality losses and request are used [xsum]."),
-    measure: Optional[bool] = typer.Option(None, "--measure/--no-measure",
-                                           help="Load each pick through the link emulator; sweep bandwidths [yes]."),
-    sweep_mbps: Optional[str] = typer.Option(None, help="Bandwidths of the measured sweep [1,5,20,100,1000]."),
-    reps: Optional[int] = typer.Option(None, help="Cold requests per measurement (median) [3]."),
-    out: Optional[Path] = typer.Option(None, help="Output directory [runs/plan]."),
-) -> None:
+@config_command(PlanConfig, "plan", "YAML config, e.g. configs/plan.yaml.")
+def plan(cfg: PlanConfig) -> None:
     """Pick how to ship a system prompt for each link within a quality budget; measure the picks."""
-    overrides = dict(qpb=str(qpb) if qpb else None, links=list(link) if link else None,
-                     max_quality_loss=max_quality_loss, dataset=dataset, measure=measure,
-                     sweep_mbps=parse_floats(sweep_mbps), reps=reps, out=str(out) if out else None)
-    cfg = load_config(PlanConfig, "plan", config, overrides)
     with progress_bar() as progress:
         result = run_plan(cfg, progress)
     for p in result["picks"]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -15,6 +16,73 @@ from edgekv.texts import read_text
 T = TypeVar("T")
 COMMAND_SECTIONS = ("align", "compress", "serve_edge", "eval", "train_fuser", "plan", "distill")
 CONFIG_CLASSES: dict[str, type] = {}
+
+
+def setting(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable[[], Any] | None = None,
+            shown: str | None = None, flag: str | None = None, toggle: str | None = None, repeat: bool = False,
+            parse: Callable[[Any], Any] | None = None) -> Any:
+    """A config field that is also a command-line option: its default is written here and nowhere else.
+
+    `shown` describes a None default in the help; `flag` names the option when it differs from the field;
+    `toggle` gives a bool's two switches ("--a/--b"); `repeat` makes a list option repeatable instead of
+    comma-separated; `parse` converts the flag's value (YAML values are taken as they are)."""
+    meta = {"help": help, "shown": shown, "flag": flag, "toggle": toggle, "repeat": repeat, "parse": parse}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+# The settings several commands share, each default written once.
+def cloud_setting(help: str = "Cloud model: alias (default-cloud), hub id, directory or .gguf.") -> Any:
+    """The cloud model."""
+    return setting("default-cloud", help)
+
+
+def edge_setting(help: str = "Edge model: alias (default-edge), hub id, directory or .gguf.") -> Any:
+    """The edge model."""
+    return setting("default-edge", help)
+
+
+def dtype_setting() -> Any:
+    """The models' compute dtype."""
+    return setting("bfloat16", "bfloat16, float16 or float32.")
+
+
+def device_setting() -> Any:
+    """Where the models run."""
+    return setting("cpu", "cpu, cuda or auto (CUDA when torch sees a GPU).")
+
+
+def weights_setting() -> Any:
+    """The edge's linear weights."""
+    return setting("bf16", "The edge's linears: bf16, int8 or int4 (weight-only).")
+
+
+def device_map_setting() -> Any:
+    """accelerate's device map for models larger than one device."""
+    return setting(None, "accelerate device map for large models, e.g. auto.")
+
+
+def seed_setting(help: str = "Seed.") -> Any:
+    """The seed."""
+    return setting(0, help)
+
+
+def ray_setting(help: str = "Run --prompts on Ray: 'local' starts one here, 'auto' or an address joins a "
+                            "cluster.") -> Any:
+    """Ray: None in-process, "" a local cluster (the flag's 'local'), "auto" or an address."""
+    return setting(None, help, shown="in-process", parse=lambda v: "" if v == "local" else v)
+
+
+def workers_setting(help: str = "Ray actors, each loading the models once.") -> Any:
+    """Ray actors."""
+    return setting(2, help)
+
+
+def check_choice(value: Any, allowed: Any, name: str) -> None:
+    """One-line error for a value that is not one of `allowed`."""
+    if value not in allowed:
+        raise EdgeKVError(f"unknown {name} '{value}' (choose from {', '.join(map(str, allowed))})")
 
 
 def command_config(section: str):

@@ -205,3 +205,13 @@ def split_texts(tokenizer, texts: list[str], source: str, prefix_tokens: int, co
 def xsum_documents(path: str | Path) -> list[str]:
     """Documents of the XSum JSONL sample."""
     return [json.loads(line)["document"] for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def tokenize(tokenizer, texts: list[str], max_tokens: int, min_tokens: int) -> list[torch.Tensor]:
+    """Token ids per text, truncated to max_tokens; texts shorter than min_tokens are dropped."""
+    seqs = []
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=True, truncation=False)["input_ids"][:max_tokens]
+        if len(ids) >= min_tokens:
+            seqs.append(torch.tensor(ids, dtype=torch.long))
+    return seqs

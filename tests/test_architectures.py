@@ -117,7 +117,7 @@ def test_same_model_splice_is_exact_under_two_names(models, kind, tmp_path):
     cloud and the edge name the model by different strings (dir/ and its absolute path)."""
     from edgekv.kv.compress_job import CompressConfig, run_compress
     from edgekv.models.loading import load_model
-    from edgekv.serve.engine import SamplingParams
+    from edgekv.serve.sampling import SamplingParams
     from edgekv.serve.session import EdgeSession
 
     path = models[f"{kind}/edge"]
@@ -140,14 +140,15 @@ def test_every_command_runs_on_the_pair(models, calib, name, tmp_path):
     """align → compress (ridge, hidden, int8, int4, ThinK) → serve-edge --batch → a fuser's export served →
     train-fuser → eval (limit 1), each on this pair."""
     from edgekv.align.align_job import AlignConfig, run_align
-    from edgekv.eval.eval_job import EvalConfig, run_eval
+    from edgekv.eval.eval_config import EvalConfig
+    from edgekv.eval.eval_job import run_eval
     from edgekv.kv.compress_job import CompressConfig, run_compress
     from edgekv.kv.fusers import BiasFuser
     from edgekv.kv.registry import save_translator
     from edgekv.kv.translators import HiddenTranslator
     from edgekv.models.capture import capture
     from edgekv.models.loading import load_model
-    from edgekv.serve.engine import SamplingParams
+    from edgekv.serve.sampling import SamplingParams
     from edgekv.serve.session import EdgeSession
 
     cloud_dir, edge_dir = _pair(models, name)
@@ -301,7 +302,8 @@ def test_the_papers_opt_pair_plans_from_real_configs_without_weights():
     mapping, per-layer KV shapes and the export's byte estimate, no weights loaded."""
     from transformers import OPTConfig, OPTForCausalLM
 
-    from edgekv.kv.compress_job import CompressConfig, raw_fp16_bytes, resolve_pairs
+    from edgekv.align.mapping import layer_pairs
+    from edgekv.kv.encode import raw_fp16_bytes
     from edgekv.models.structure import attn_shape, context_limit, decoder_layers
 
     published = {"cloud": dict(hidden_size=4096, ffn_dim=16384, num_hidden_layers=32, num_attention_heads=32),
@@ -315,7 +317,7 @@ def test_the_papers_opt_pair_plans_from_real_configs_without_weights():
     assert len(decoder_layers(cloud)) == 32 and len(decoder_layers(edge)) == 24
     assert attn_shape(cloud) == (32, 32, 128) and attn_shape(edge) == (32, 32, 64)
     assert context_limit(edge.config) == 2048
-    pairs, how = resolve_pairs(CompressConfig(out="x", system_prompt="x"), 32, 24, same=False)
+    pairs, how = layer_pairs(None, None, 32, 24)
     assert how.startswith("uniform") and [p[0] for p in pairs] == list(range(12, 24))
     assert all(0 <= c < 32 for _, c in pairs) and [c for _, c in pairs] == sorted(c for _, c in pairs)
     # a 1,024-token system prompt: edge-shaped fp16 KV of the 12 deep layers, K and V, 32 heads × 64 channels

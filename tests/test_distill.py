@@ -15,12 +15,12 @@ from cli.main import app
 from edgekv import EdgeKVError
 from edgekv.attention.prefix_kv import PrefixKV, continuation_nll, prefix_kv
 from edgekv.distill import distill_job
+from edgekv.distill.distill_job import DistillConfig, run_distill
 from edgekv.distill.student import initial_student, select_tokens
 from edgekv.distill.teacher import SEED_PROMPTS
-from edgekv.distill.distill_job import DistillConfig, run_distill
 from edgekv.kv.export import KVExport, KVStoreError
 from edgekv.models.loading import load_model
-from edgekv.serve.engine import SamplingParams
+from edgekv.serve.sampling import SamplingParams
 from edgekv.serve.session import EdgeSession
 from tests.conftest import PROMPT, make_export
 

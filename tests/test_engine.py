@@ -7,7 +7,8 @@ import torch
 
 from edgekv.attention.merge import segment_attention
 from edgekv.attention.relay import RelayBatch, relay_attention
-from edgekv.serve.engine import Engine, EngineBusy, GenRequest, SamplingParams
+from edgekv.serve.requests import EngineBusy, GenRequest
+from edgekv.serve.sampling import SamplingParams
 from edgekv.serve.session import EdgeSession
 from tests.conftest import USERS, make_export
 
@@ -47,7 +48,7 @@ def test_relay_attention_equals_one_softmax_over_system_and_own_keys():
 
 
 def test_batched_greedy_equals_one_at_a_time(session):
-    one = Engine(session, max_batch=1)
+    one = session.engine(max_batch=1)
     try:
         want = {p: one.generate(GenRequest(session.encode_user(p), SamplingParams(max_new_tokens=16))).token_ids
                 for p in PROMPTS}
@@ -55,7 +56,7 @@ def test_batched_greedy_equals_one_at_a_time(session):
         one.close()
     for p in PROMPTS:  # the engine at batch size 1 is the session's own decoding
         assert session.complete(p, SamplingParams(max_new_tokens=16)).token_ids == want[p]
-    engine = Engine(session, max_batch=8)
+    engine = session.engine(max_batch=8)
     results, lock = {}, threading.Lock()
     try:
         threads = []
@@ -73,7 +74,7 @@ def test_batched_greedy_equals_one_at_a_time(session):
     for (p, n), r in results.items():
         assert r.token_ids == want[p][:16 - n % 3]
         assert r.finish_reason == "length"
-    inline = Engine(session, max_batch=8, background=False)  # no thread: the caller's thread runs the steps
+    inline = session.engine(max_batch=8, background=False)  # no thread: the caller's thread runs the steps
     done = []
     try:
         assert inline.thread is None
@@ -87,7 +88,7 @@ def test_batched_greedy_equals_one_at_a_time(session):
 
 
 def test_stop_strings_logprobs_echo_and_a_full_queue(session):
-    engine = Engine(session, max_batch=4, max_queue=2)
+    engine = session.engine(max_batch=4, max_queue=2)
     try:
         full = engine.generate(GenRequest(session.encode_user(USERS[0]), SamplingParams(max_new_tokens=12),
                                           logprobs=2, echo=True))
@@ -116,7 +117,7 @@ def test_stop_strings_logprobs_echo_and_a_full_queue(session):
 
 
 def test_a_cancelled_request_leaves_the_batch(session):
-    engine = Engine(session, max_batch=4)
+    engine = session.engine(max_batch=4)
     events, box = [], []
     done = threading.Event()
 
@@ -142,7 +143,7 @@ def test_a_cancelled_request_leaves_the_batch(session):
 
 def test_chunked_prefill_equals_one_chunk(session):
     """Prompts longer than the step's token budget are prefilled over several steps: same tokens, same echo."""
-    whole, chunked = Engine(session, max_step_tokens=512), Engine(session, max_batch=4, max_step_tokens=5)
+    whole, chunked = session.engine(max_step_tokens=512), session.engine(max_batch=4, max_step_tokens=5)
     try:
         for p in PROMPTS:
             req = lambda: GenRequest(session.encode_user(p), SamplingParams(max_new_tokens=8), logprobs=1,  # noqa
@@ -216,7 +217,7 @@ def test_a_query_block_over_a_cache_equals_stock_sdpa_with_grouped_heads_folded(
 
 def test_on_fresh_thread_returns_or_raises_what_the_function_did_on_another_thread():
     from edgekv import EdgeKVError
-    from edgekv.serve.engine import on_fresh_thread
+    from edgekv.runtime import on_fresh_thread
 
     me = threading.get_ident()
     assert on_fresh_thread(lambda a, b=0: (a + b, threading.get_ident()), 2, b=3)[0] == 5
@@ -229,7 +230,7 @@ def test_the_engines_step_without_the_wrapper_equals_the_models_forward(session)
     """Relay steps (prompt chunks and decode tokens of many requests) and one-request decode tokens through
     `DecodeStep` give the model's own forward's tokens and log-probs exactly."""
     def run(fast: bool, relay: bool) -> list:
-        engine = Engine(session, max_batch=8 if relay else 1, max_step_tokens=7, background=False, relay=relay)
+        engine = session.engine(max_batch=8 if relay else 1, max_step_tokens=7, background=False, relay=relay)
         assert engine._decode_step is not None  # the tiny edge is a Qwen2
         if not fast:
             engine._decode_step = None
@@ -249,7 +250,7 @@ def test_a_follow_up_that_cannot_be_queued_ends_its_place_with_the_error(edge, e
     """generate_all(follow=…): a follow-up the engine refuses (here: beyond the context) ends that place with the
     error instead of leaving the call waiting; the other places get their follow-ups' results."""
     session = EdgeSession(edge, str(export), cache_dir=tmp_path / "c")
-    engine = Engine(session, max_batch=4, background=False)
+    engine = session.engine(max_batch=4, background=False)
     first = [GenRequest(session.encode_user(u), SamplingParams(max_new_tokens=2)) for u in ("a", "b")]
     too_long = torch.ones(session.max_context, dtype=torch.long)
 

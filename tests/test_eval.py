@@ -11,8 +11,10 @@ from cli.main import app
 from edgekv import EdgeKVError
 from edgekv.align.align_job import AlignConfig, run_align
 from edgekv.eval.datasets import load_requests
-from edgekv.eval.eval_job import EvalConfig, read_results, run_eval
+from edgekv.eval.eval_config import EvalConfig
+from edgekv.eval.eval_job import run_eval
 from edgekv.eval.metrics import accuracy, lcs_length, rouge_l, upload_ratio
+from edgekv.eval.runs import read_results
 from tests.conftest import ARTICLE, byte_tokenizer
 
 runner = CliRunner()
@@ -282,7 +284,7 @@ def test_bootstrap_is_seeded_and_covers():
 
 def test_shards_merged_equal_one_run(evaluated, tiny_models, data, align_dir, tmp_path):
 
-    from edgekv.eval.eval_job import merge_runs
+    from edgekv.eval.runs import merge_runs
 
     out, _ = evaluated
     for i in (1, 2):
@@ -390,7 +392,7 @@ def test_naive_truncation_respects_the_budget_on_the_real_tokenizer():
 def test_load_rows_are_reused_only_under_the_same_load_settings(tmp_path):
     from types import SimpleNamespace
 
-    from edgekv.eval.eval_job import load_curves, reusable_load
+    from edgekv.eval.load_runs import load_curves, reusable_load
     from edgekv.progress import Steps
 
     cfg = EvalConfig(out=str(tmp_path), strategies=["edge-only", "ce-lslm"], load_rates=[0.1, 0.5], load_seconds=30)

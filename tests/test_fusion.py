@@ -213,7 +213,7 @@ def _fuse_export(tiny_models, calib_file, tmp_path, bias: float, name: str):
 
 def test_fuse_export_round_trips_and_serves_the_edge_alone_when_gates_are_shut(tiny_models, calib_file, tmp_path):
     from edgekv.kv.export import KVExport
-    from edgekv.serve.engine import SamplingParams
+    from edgekv.serve.sampling import SamplingParams
     from edgekv.serve.session import EdgeSession
 
     edge, fuser, out, prompt = _fuse_export(tiny_models, calib_file, tmp_path, -1e4, "shut")

@@ -3,25 +3,19 @@
 from __future__ import annotations
 
 import ast
-import importlib
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "edgekv"
 # text → models → attention → align → kv → serve → distill → eval (edgekv/__init__.py says it in words)
 STAGES = {"models": 1, "attention": 2, "align": 3, "kv": 4, "serve": 5, "distill": 6, "eval": 7}
-HELPERS = {"__init__", "atomic", "cluster", "config", "progress", "plots", "summary", "texts"}  # shared, rank 0
-REEXPORTS = {"similarity", "pruning"}  # former public paths, for callers outside the project
+HELPERS = {"__init__", "atomic", "cluster", "config", "progress", "plots", "runtime", "summary", "texts"}  # rank 0
 
 
-def rank(module: str) -> int | None:
-    """Stage rank of an `edgekv...` module name (None for a re-export shim)."""
+def rank(module: str) -> int:
+    """Stage rank of an `edgekv...` module name."""
     parts = module.split(".")
     if len(parts) == 1 or parts[1] in HELPERS:
         return 0
-    if parts[1] in REEXPORTS:
-        return None
     if parts[1] not in STAGES:
         raise AssertionError(f"{module}: not in a known stage; add the stage to STAGES and the package docstring")
     return STAGES[parts[1]]
@@ -45,24 +39,12 @@ def imported(source: str) -> list[str]:
     return out
 
 
-def _type_checking_only(tree: ast.AST) -> set[int]:
-    """ids of the import nodes under `if TYPE_CHECKING:` (never run: they make no import circle)."""
+def module_imports(module: str, source: str) -> set[str]:
+    """The edgekv modules `module` imports: at top level, in functions, and under `if TYPE_CHECKING:` too (a
+    type-only circle is still two modules that each need the other); `from pkg import name` counts as importing
+    `pkg.name` when that is a module of the project."""
     out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
-            out |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
-    return out
-
-
-def runtime_imports(module: str, source: str) -> set[str]:
-    """The edgekv modules `module` imports when it runs (top level or in functions, not `if TYPE_CHECKING:`);
-    `from pkg import name` counts as importing `pkg.name` when that is a module of the project."""
-    tree = ast.parse(source)
-    skip = _type_checking_only(tree)
-    out = set()
-    for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("edgekv"):
             out.add(node.module)
             out |= {f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in MODULES}
@@ -101,20 +83,30 @@ def test_checker_catches_an_import_circle():
 
 
 def test_no_import_circle_within_a_stage():
-    graph = {m: runtime_imports(m, p.read_text(encoding="utf-8")) for m, p in MODULES.items()}
+    graph = {m: module_imports(m, p.read_text(encoding="utf-8")) for m, p in MODULES.items()}
     cycles = import_cycles(graph)
     assert not cycles, "\n".join(" → ".join(c) for c in cycles)
 
 
+def test_a_type_only_import_counts():
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from edgekv.serve.engine import Engine\n"
+    assert "edgekv.serve.engine" in module_imports("edgekv.serve.session", source)
+
+
+def test_jobs_import_libraries_never_other_jobs():
+    """A command's job module (`*_job.py`) builds on libraries; what two jobs share lives in a library."""
+    bad = [f"{m} imports {t}" for m, p in MODULES.items() if m.endswith("_job")
+           for t in module_imports(m, p.read_text(encoding="utf-8")) if t.endswith("_job") and m != t]
+    assert not bad, "\n".join(bad)
+
+
 def violations(module: str, source: str) -> list[str]:
-    """Imports of `module` that go against the flow (a later stage, or a re-export shim)."""
+    """Imports of `module` that go against the flow (a later stage)."""
     own = rank(module)
     bad = []
     for target in imported(source):
         r = rank(target)
-        if r is None:
-            bad.append(f"{module} imports the re-export {target}; import the stage module")
-        elif own is not None and r > own:
+        if r > own:
             bad.append(f"{module} (stage {own}) imports {target} (stage {r})")
     return bad
 
@@ -122,7 +114,6 @@ def violations(module: str, source: str) -> list[str]:
 def test_checker_catches_a_backward_import():
     assert violations("edgekv.kv.decode", "def f():\n    from edgekv.serve.session import EdgeSession\n")
     assert violations("edgekv.align.mapping", "import edgekv.eval.report\n")
-    assert violations("edgekv.models.capture", "from edgekv.similarity import linear_cka\n")
     assert not violations("edgekv.eval.report", "from edgekv.kv.export import KVExport\nfrom edgekv import X\n")
 
 
@@ -136,23 +127,12 @@ def test_imports_follow_the_data_flow():
 def test_every_stage_is_a_folder_with_a_docstring_and_few_top_modules():
     top = sorted(p.stem for p in ROOT.glob("*.py"))
     assert len(top) <= 10, top
-    assert set(top) == HELPERS | REEXPORTS
+    assert set(top) == HELPERS
     folders = sorted(p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith("__"))
     assert folders == sorted(STAGES)
     for stage in STAGES:
         doc = ast.get_docstring(ast.parse((ROOT / stage / "__init__.py").read_text()))
         assert doc and "import" in doc, f"edgekv/{stage}/__init__.py must say what it may import"
-
-
-@pytest.mark.parametrize("path,names", [
-    ("edgekv.similarity", ["linear_cka", "debiased_cka", "rsa"]),
-    ("edgekv.pruning", ["think_scores", "think_select"]),
-])
-def test_former_public_paths_still_import(path, names):
-    module = importlib.import_module(path)
-    stage = importlib.import_module(path.replace("edgekv.", "edgekv.align." if "similarity" in path else "edgekv.kv."))
-    for name in names:
-        assert getattr(module, name) is getattr(stage, name)
 
 
 def test_the_offline_samples_are_found_from_the_moved_modules():

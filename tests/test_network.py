@@ -76,7 +76,8 @@ def test_pareto_front():
 @pytest.fixture(scope="module")
 def qpb_run(tiny_models, tmp_path_factory):
     from edgekv.align.align_job import AlignConfig, run_align
-    from edgekv.eval.eval_job import EvalConfig, run_eval
+    from edgekv.eval.eval_config import EvalConfig
+    from edgekv.eval.eval_job import run_eval
 
     root = tmp_path_factory.mktemp("qpb")
     xsum = root / "xsum.jsonl"

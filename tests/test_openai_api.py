@@ -7,8 +7,8 @@ import urllib.request
 import openai
 import pytest
 
-from edgekv.serve.engine import SamplingParams
 from edgekv.serve.http_server import EdgeServer
+from edgekv.serve.sampling import SamplingParams
 from edgekv.serve.session import EdgeSession
 from tests.conftest import USERS, make_export
 

@@ -77,7 +77,7 @@ def test_quantized_same_model_splice_equals_its_own_full_prefill(edge_dir_bf16, 
     model's own `generate` on the concatenation; a bf16-made export is refused for it."""
     from edgekv.kv.compress_job import CompressConfig, run_compress
     from edgekv.models.loading import load_model
-    from edgekv.serve.engine import SamplingParams
+    from edgekv.serve.sampling import SamplingParams
     from edgekv.serve.session import EdgeSession
 
     edge = load_model(edge_dir_bf16, "bfloat16", weights=weights)
@@ -124,7 +124,7 @@ def test_the_default_edges_q4k_tensor_loads_exactly_and_computes_as_its_bf16_cop
 @pytest.mark.slow
 def test_int4_real_edge_splice_equals_its_own_full_prefill(tmp_path):
     from edgekv.models.loading import load_model
-    from edgekv.serve.engine import SamplingParams
+    from edgekv.serve.sampling import SamplingParams
     from edgekv.serve.session import EdgeSession
 
     edge = load_model("default-edge", "bfloat16", weights="int4")

@@ -11,8 +11,9 @@ import torch
 from edgekv.eval.datasets import load_requests
 from edgekv.eval.metrics import option_choice
 from edgekv.models.loading import load_model
-from edgekv.serve.engine import Engine, GenRequest, SamplingParams
 from edgekv.serve.http_server import EdgeServer
+from edgekv.serve.requests import GenRequest
+from edgekv.serve.sampling import SamplingParams
 from edgekv.serve.session import EdgeSession
 
 pytestmark = pytest.mark.slow
@@ -37,11 +38,11 @@ def test_batched_greedy_equals_one_at_a_time_on_the_real_edge(edge, mmlu, tmp_pa
     session = EdgeSession(edge, None, system, cache_dir=tmp_path)
     session.eos_ids = set()
     prompts = [r.user for r in rows[:4]] + ["Why?", rows[0].user + " Explain the answer in detail."]
-    one = Engine(session, max_batch=1)
+    one = session.engine(max_batch=1)
     want = {p: one.generate(GenRequest(session.encode_user(p), SamplingParams(max_new_tokens=12))).token_ids
             for p in prompts}
     one.close()
-    engine = Engine(session, max_batch=8)
+    engine = session.engine(max_batch=8)
     got = {}
     threads = [threading.Thread(target=lambda p=p: got.__setitem__(p, engine.generate(GenRequest(
         session.encode_user(p), SamplingParams(max_new_tokens=12))).token_ids)) for p in prompts]

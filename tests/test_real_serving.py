@@ -5,7 +5,7 @@ import torch
 
 from edgekv.kv.compress_job import CompressConfig, run_compress
 from edgekv.models.loading import load_model
-from edgekv.serve.engine import SamplingParams
+from edgekv.serve.sampling import SamplingParams
 from edgekv.serve.session import EdgeSession
 
 pytestmark = pytest.mark.slow

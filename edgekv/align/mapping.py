@@ -6,8 +6,10 @@ cloud layer per edge layer from `start_layer` on; `build_mapping` records each c
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -129,3 +131,32 @@ def build_mapping(name: str, matrices: dict[str, torch.Tensor], params: MappingP
         "pairs": pairs,
         "mean_score": round(sum(p[params.metric] for p in pairs) / len(pairs), 6),
     }
+
+
+def layer_pairs(mapping: str | None, start_layer: int | None, cloud_layers: int, edge_layers: int, *,
+                same: bool = False, default: str = "uniform") -> tuple[list[tuple[int, int]], str]:
+    """(edge layer, cloud layer) pairs and where they came from: an align mapping.json made for these layer counts
+    (its pairs from `start_layer` on), else identity (the same model) or the `default` strategy from `start_layer`
+    (None: 0 for the same model, half the edge's depth otherwise)."""
+    if mapping:
+        path = Path(mapping)
+        try:
+            data = json.loads(path.read_text())
+            pairs = [(int(p["edge_layer"]), int(p["cloud_layer"])) for p in data["pairs"]]
+            dims = (int(data["num_cloud_layers"]), int(data["num_edge_layers"]))
+        except FileNotFoundError as exc:
+            raise EdgeKVError(f"mapping file not found: {path}") from exc
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise EdgeKVError(f"{path}: not a mapping.json of edgekv align ({exc})") from exc
+        if dims != (cloud_layers, edge_layers):
+            raise EdgeKVError(f"{path}: made for {dims[0]}→{dims[1]} layers, these models have "
+                              f"{cloud_layers}→{edge_layers}")
+        return [p for p in pairs if start_layer is None or p[0] >= start_layer], f"{path}"
+    start = start_layer if start_layer is not None else (0 if same else edge_layers // 2)
+    if not 0 <= start < edge_layers:
+        raise EdgeKVError(f"--start-layer {start} is out of range: the edge model has {edge_layers} layers")
+    if same:
+        return [(i, i) for i in range(start, edge_layers)], "identity (same model)"
+    zeros = {k: torch.zeros(cloud_layers, edge_layers) for k in ("linear_cka", "debiased_cka", "rsa")}
+    built = build_mapping(default, zeros, MappingParams(start))
+    return [(p["edge_layer"], p["cloud_layer"]) for p in built["pairs"]], f"{default} (no --mapping given)"

@@ -22,7 +22,18 @@ from safetensors.torch import load_file
 from edgekv import EdgeKVError
 from edgekv.atomic import write_tensors_atomic, write_text_atomic
 from edgekv.cluster import run_items
-from edgekv.config import command_config, to_dict
+from edgekv.config import (
+    cloud_setting,
+    command_config,
+    device_setting,
+    dtype_setting,
+    edge_setting,
+    ray_setting,
+    seed_setting,
+    setting,
+    to_dict,
+    workers_setting,
+)
 from edgekv.distill.student import (
     RULES,
     Student,
@@ -42,8 +53,9 @@ from edgekv.distill.teacher import (
     synthesize,
 )
 from edgekv.kv.catalog import Catalog, export_key
-from edgekv.kv.compress_job import encode_layer, model_info, same_model_layers
-from edgekv.kv.export import token_ids_sha256, tokenizer_fingerprint, write_export
+from edgekv.kv.cloud_kv import same_model_layers
+from edgekv.kv.encode import encode_layer
+from edgekv.kv.export import export_manifest, model_info, token_ids_sha256, write_export
 from edgekv.kv.train_loop import Trainee, example_index, train_loop
 from edgekv.models.loading import DTYPES, LoadedModel, check_tokenizers, load_model
 from edgekv.models.structure import context_limit
@@ -74,23 +86,25 @@ V1_RECIPE = dict(queries=8, seeds=["instruction"], max_answer_tokens=40, tempera
 class DistillConfig:
     """Everything `edgekv distill` needs; see configs/distill.yaml."""
 
-    out: str = "runs/distill"
-    cloud: str = "default-cloud"
-    edge: str = "default-edge"
-    dtype: str = "bfloat16"
-    device: str = "cpu"  # cpu, cuda or auto (CUDA when torch sees one)
-    system_prompt: str | None = None  # TEXT or @FILE (one prompt, folder `prompt`)
-    prompts: str | None = None  # JSONL of {"name", "system_prompt"} (one folder per name)
+    out: str = setting("runs/distill", "Output folder, a subfolder per prompt (resumable).")
+    cloud: str = cloud_setting("Cloud model (the teacher).")
+    edge: str = edge_setting("Edge model (the student's).")
+    dtype: str = dtype_setting()
+    device: str = device_setting()
+    system_prompt: str | None = setting(None, "One system prompt: TEXT or @FILE.")
+    prompts: str | None = setting(None, "JSONL of {\"name\", \"system_prompt\"}, one export each.")
     synthetic_dir: str | None = None  # a root kept apart (<root>/<name>/synthetic.*): runs of one teacher share it
-    teacher: str = "cloud"  # cloud | self (the edge reading the whole prompt: Cartridges' self-study)
-    length: int | None = None  # P' tokens of the student (None: the whole prompt)
-    compress: int | None = None  # P' = ceil(P / compress) (instead of length)
-    rule: str = "first"  # which prompt tokens the student starts from when P' < P: first | even
-    param: str = "full"  # full (K, V trained outright) | lowrank (a rank-r delta per KV head)
-    rank: int = 8
+    teacher: str = setting("cloud", "cloud, or self (the edge reading the whole prompt).")
+    length: int | None = setting(None, "Student tokens P'.", shown="the whole prompt")
+    compress: int | None = setting(None, "Student tokens P' = ceil(P / N), instead of --length.")
+    rule: str = setting("first", "Which tokens a shorter student starts from: first or even.")
+    param: str = setting("full", "full (K, V trained) or lowrank (a rank-r delta).")
+    rank: int = setting(8, "Rank of the lowrank delta per KV head.")
     # the synthetic set (teacher.py): `queries` exchanges, their seed types drawn round robin from `seeds`
-    queries: int = 8
-    seeds: list[str] = field(default_factory=lambda: [INSTRUCTION])  # of seed_prompts' keys and `instruction`
+    queries: int = setting(8, "Synthetic exchanges per prompt.")
+    seeds: list[str] = setting(
+        help="Seed types, comma-separated: structuring, summarization, question, use-case, creative, instruction.",
+        factory=lambda: [INSTRUCTION])
     seed_prompts: dict[str, str] = field(default_factory=lambda: dict(SEED_PROMPTS))
     instructions: list[str] = field(default_factory=lambda: list(INSTRUCTIONS))  # the `instruction` seed type
     answer_format: str = "\n{query}\nAnswer:"  # how a written query is put to the teacher (and the student)
@@ -99,25 +113,25 @@ class DistillConfig:
     query_temperature: float = 1.0
     max_answer_tokens: int = 40
     temperature: float = 0.8  # answers: 0 greedy, else sampled (seeded per query)
-    on_policy: float = 0.0  # share of the answers the student samples (the teacher scores them; GKD)
+    on_policy: float = setting(0.0, "Share of answers the student samples, the teacher scores.")
     top_k: int = 64  # the teacher's top-k (+ the tail's mass) each token is matched on
     teacher_batch: int = 64  # requests decoded together by the teacher (and the student)
     # training
     held_out: float = 0.25  # share of the synthetic set held out for early stopping
-    query_loss: bool = False  # the loss also covers the query's own tokens (else the answer's only)
-    freeze_first: int = 0  # first tokens (the attention sink) kept at their initial KV
-    batch: int = 1  # synthetic sequences per optimizer step (their losses averaged)
-    steps: int = 30
-    lr: float = 5e-3
+    query_loss: bool = setting(False, "Loss on the query's tokens too.", toggle="--query-loss/--answer-loss")
+    freeze_first: int = setting(0, "First tokens kept at their initial KV.")
+    batch: int = setting(1, "Sequences per training step.")
+    steps: int = setting(30, "Most training steps.")
+    lr: float = setting(5e-3, "Adam learning rate.")
     eval_every: int = 5
     patience: int = 3  # held-out evaluations without improvement before stopping
-    quant: str = "bf16"  # the export's codec (int8 on top: 2× fewer bytes)
+    quant: str = setting("bf16", "Export codec: fp32, fp16, bf16, int8, int4.")
     prune_ratio: float = 0.0  # ThinK on top of the trained KV
     window: int = 32
-    seed: int = 0
-    catalog: str | None = None  # also put each finished export in this catalog (a folder or fsspec URL)
-    ray: str | None = None  # --prompts on Ray: "" a local cluster, "auto" or an address to join one
-    workers: int = 2  # Ray actors (each loads the models once)
+    seed: int = seed_setting()
+    catalog: str | None = setting(None, "Also put each export in this catalog (folder or fsspec URL).")
+    ray: str | None = ray_setting()
+    workers: int = workers_setting()
 
     def validate(self) -> None:
         """One-line errors before any model is loaded."""
@@ -340,17 +354,13 @@ def _export(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, student
         tensors[layer.edge_layer] = t
         entries.append(e)
     info = model_info(edge)
-    manifest = {
-        "regime": "same-model", "splice": "replace", "cloud": info, "edge": info,
-        "tokenizer_fingerprint": tokenizer_fingerprint(edge.tokenizer),
-        "system_prompt": {"num_tokens": int(ids.numel()), "token_ids_sha256": token_ids_sha256(ids.tolist()),
-                          "token_ids": ids.tolist()},
-        "kv_tokens": student.tokens, "next_position": student.next_position, "kv_token_index": index.tolist(),
-        "start_layer": 0, "mapping": "none", "map_location": "none", "local_sink_tokens": 0,
-        "prune": {"method": "think", "ratio": cfg.prune_ratio, "window": cfg.window, "keep_recent": 0,
-                  "queries": "own window"},
-        "quant": cfg.quant, "layers": entries, "distilled": distilled,
-    }
+    manifest = export_manifest(
+        info, edge, ids, entries, regime="same-model", splice="replace", start_layer=0, mapping="none",
+        map_location="none", local_sink_tokens=0,
+        prune={"method": "think", "ratio": cfg.prune_ratio, "window": cfg.window, "keep_recent": 0,
+               "queries": "own window"},
+        quant=cfg.quant, kv_tokens=student.tokens, next_position=student.next_position,
+        kv_token_index=index.tolist(), distilled=distilled)
     write_export(work / "kv", manifest, tensors)
     written = sum(e["bytes"] for e in entries)
     full_fp16 = 2 * int(ids.numel()) * info["num_kv_heads"] * info["head_dim"] * 2 * info["num_layers"]

@@ -20,9 +20,10 @@ import torch
 
 from edgekv import EdgeKVError
 from edgekv.attention.prefix_kv import PrefixKV
-from edgekv.models.loading import LoadedModel
-from edgekv.serve.engine import Engine, GenRequest, Result, SamplingParams
-from edgekv.serve.session import EdgeSession
+from edgekv.models.loading import LoadedModel, eos_ids
+from edgekv.serve.engine import Engine
+from edgekv.serve.requests import GenRequest, Result
+from edgekv.serve.sampling import SamplingParams
 
 # Cartridges' five seed types, in the plain-text form our prompts take; the writer reads the window quoted
 # after the system prompt, then one of these. `instruction` (a fixed instruction, no writing) is the sixth type.
@@ -63,7 +64,7 @@ class BatchedTeacher:
 
     def __init__(self, model: LoadedModel, prefix: PrefixKV, max_batch: int = 64, max_step_tokens: int = 1024):
         self.model, self.prefix = model, prefix
-        self.engine = Engine(EdgeSession(model, system=prefix), max_batch=max_batch,
+        self.engine = Engine(model.model, model.tokenizer, prefix, eos_ids(model), max_batch=max_batch,
                              max_step_tokens=max_step_tokens, background=False)
 
     @classmethod

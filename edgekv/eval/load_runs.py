@@ -7,13 +7,19 @@ prompt. Arrivals are seeded; a run stops admitting after `seconds` and waits (bo
 
 from __future__ import annotations
 
+import csv
 import json
 import random
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
+from edgekv.eval.artefacts import Artefacts
+from edgekv.eval.datasets import Request
+from edgekv.eval.strategies import parse_strategy
+from edgekv.progress import Steps
 from edgekv.serve.http_server import EdgeServer
 from edgekv.serve.session import EdgeSession
 from edgekv.summary import mean, percentile
@@ -79,3 +85,50 @@ def summarize_load(strategy: str, rate: float, rows: list[dict]) -> dict:
     return {"strategy": strategy, "rate": rate, "requests": len(rows), "errors": len(rows) - len(ok),
             "latency_mean_s": mean(lat), "latency_p90_s": percentile(lat, 0.9),
             "normalized_latency_s_per_token": mean(norm)}
+
+
+LOAD_KEYS = ("load_seconds", "load_dataset", "load_max_tokens", "seed")
+
+
+def reusable_load(out: Path, cfg) -> list[dict]:
+    """Load-run rows of an earlier run in `out` made with the same load settings (so adding a strategy does not
+    rerun the others' load runs); [] when there are none or the settings differ."""
+    try:
+        before = json.loads((out / "config.json").read_text(encoding="utf-8"))
+        with (out / "load.csv").open(encoding="utf-8") as f:
+            rows = list(csv.DictReader(f))
+    except (OSError, json.JSONDecodeError):
+        return []
+    if any(before.get(k) != getattr(cfg, k) for k in LOAD_KEYS):
+        return []
+    number = lambda v: None if v in ("", None) else float(v)  # noqa: E731
+    return [{"strategy": r["strategy"], "rate": float(r["rate"]), "requests": int(r["requests"]),
+             "errors": int(r["errors"]), "latency_mean_s": number(r["latency_mean_s"]),
+             "latency_p90_s": number(r["latency_p90_s"]),
+             "normalized_latency_s_per_token": number(r["normalized_latency_s_per_token"])} for r in rows]
+
+
+def load_curves(artefacts: Artefacts, requests: list[Request], steps: Steps, earlier: list[dict] | None = None
+                ) -> list[dict]:
+    """Poisson load runs per strategy and rate (see load_runs.py); (strategy, rate) pairs in `earlier` are kept."""
+    cfg = artefacts.cfg
+    kept = {(r["strategy"], r["rate"]): r for r in earlier or [] if r["strategy"] in cfg.strategies
+            and r["rate"] in cfg.load_rates}
+    advance = steps.task("load runs", len(cfg.strategies) * len(cfg.load_rates) - len(kept))
+    system = requests[0].system
+    out = []
+    for strategy in cfg.strategies:
+        if all((strategy, rate) in kept for rate in cfg.load_rates):
+            out += [kept[(strategy, rate)] for rate in cfg.load_rates]
+            continue
+        session, reuses = parse_strategy(strategy).load_session(artefacts, system)
+        prompts = [r.user if reuses else system + r.user for r in requests]
+        session.wait_loaded()
+        for rate in cfg.load_rates:
+            if (strategy, rate) in kept:
+                out.append(kept[(strategy, rate)])
+                continue
+            rows = poisson_run(session, prompts, rate, cfg.load_seconds, cfg.load_max_tokens, cfg.seed)
+            out.append(summarize_load(strategy, rate, rows))
+            advance()
+    return out

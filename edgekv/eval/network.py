@@ -16,8 +16,8 @@ import torch
 
 from edgekv import EdgeKVError
 from edgekv.models.structure import decoder_layers
-from edgekv.serve.engine import SamplingParams
 from edgekv.serve.pipeline import Link, pipeline_ttft
+from edgekv.serve.sampling import SamplingParams
 from edgekv.serve.session import EdgeSession
 
 

@@ -21,8 +21,9 @@ import torch
 
 from edgekv import EdgeKVError
 from edgekv.atomic import write_text_atomic
-from edgekv.config import command_config, load_config, to_dict
-from edgekv.eval.eval_job import EvalConfig, Runner, eval_requests, read_results, rewrite_report
+from edgekv.config import command_config, load_config, setting, to_dict
+from edgekv.eval.artefacts import Artefacts
+from edgekv.eval.eval_config import EvalConfig, eval_requests
 from edgekv.eval.network import (
     Candidate,
     Profile,
@@ -34,14 +35,12 @@ from edgekv.eval.network import (
     profile_dict,
 )
 from edgekv.eval.quality_per_byte import qpb_table, quality_per_byte
+from edgekv.eval.runs import read_results, rewrite_report
 from edgekv.eval.stats import paired_to_edge
 from edgekv.eval.strategies import parse_strategy
-from edgekv.kv.compress_job import run_compress
 from edgekv.plots import save_figure
 from edgekv.progress import Steps
 from edgekv.serve.pipeline import Link
-
-FIXED = ("edge-only", "cloud-only", "edgeprompt", "ce-lslm", "ce-lslm-fuse")  # the sweep's strategies
 
 
 @command_config("plan")
@@ -49,22 +48,25 @@ FIXED = ("edge-only", "cloud-only", "edgeprompt", "ce-lslm", "ce-lslm-fuse")  # 
 class PlanConfig:
     """Everything `edgekv plan` needs; see configs/plan.yaml."""
 
-    qpb: str = "reports/eval-qpb"  # eval run with the quality-per-byte variants
-    out: str = "runs/plan"
-    dataset: str = "xsum"  # quality losses and the profiled request come from this dataset
+    qpb: str = setting("reports/eval-qpb", "Eval run with the quality-per-byte variants.")
+    out: str = setting("runs/plan", "Output directory.")
+    dataset: str = setting("xsum", "Dataset whose quality losses and request are used.")
     request: int | None = None  # which request of the run's sample is profiled and measured; None: the one with
     # the longest system prompt (the shared-prompt case the splice is for)
     sweep: list[str] = field(default_factory=lambda: ["edgeprompt@0/fp16", "ce-lslm@0.5/int8", "ce-lslm-fuse"])
     # the splice strategies swept over bandwidth (beside edge-only and cloud-only): EdgePrompt's lossless split,
     # CE-LSLM's default compression, fusion
-    links: list[str] = field(default_factory=lambda: ["1,20", "5,20", "20,20", "100,20", "1000,20", "5,5",
-                                                      "100,50"])  # "Mbit/s,ms"
-    max_quality_loss: float = 0.02  # nats/token vs edge-only's exact answer
+    links: list[str] = setting(
+        help="MBPS[,MS] (repeatable).",
+        factory=lambda: ["1,20", "5,20", "20,20", "100,20", "1000,20", "5,5", "100,50"], flag="link",
+        repeat=True)
+    max_quality_loss: float = setting(0.02, "Nats/token the answer may lose vs the edge's own exact prefill.")
     splits: list[int] = field(default_factory=lambda: [0, 6, 12, 18])  # edgeprompt's split candidates
-    measure: bool = True  # load each pick through the emulator; sweep the fixed strategies
-    sweep_mbps: list[float] = field(default_factory=lambda: [1, 5, 20, 100, 1000])
+    measure: bool = setting(
+        True, "Load each pick through the link emulator; sweep bandwidths.", toggle="--measure/--no-measure")
+    sweep_mbps: list[float] = setting(help="Bandwidths of the measured sweep.", factory=lambda: [1, 5, 20, 100, 1000])
     sweep_latency_ms: float = 20.0
-    reps: int = 3
+    reps: int = setting(3, "Cold requests per measurement (median).")
 
     def validate(self) -> None:
         """One-line errors before any model is loaded."""
@@ -99,7 +101,7 @@ def quality_losses(rows: list[dict], dataset: str, seed: int = 0) -> dict[str, d
     return out
 
 
-def build_candidates(runner: Runner, system: str, losses: dict[str, dict], splits: list[int]) -> list[Candidate]:
+def build_candidates(a: Artefacts, system: str, losses: dict[str, dict], splits: list[int]) -> list[Candidate]:
     """Every strategy of the quality run as a candidate with its bytes for this system prompt; edgeprompt
     variants also at each split m (layers m.. shipped, with the loss measured shipping all of them: an upper
     bound, since fewer layers are compressed)."""
@@ -108,29 +110,23 @@ def build_candidates(runner: Runner, system: str, losses: dict[str, dict], split
         st = parse_strategy(name)
         if not st.ships_kv:
             continue
-        kv, _ = runner.export(name, system)
+        kv, _ = a.export(parse_strategy(name), system)
         c = candidate_from_export(str(kv), st.base, loss["ci95_hi"] if loss["ci95_hi"] is not None
                                   else loss["delta_mean"], source=name)
         if st.base == "edgeprompt":
             out += [replace(c, start_layer=m, layer_bytes={i: b for i, b in c.layer_bytes.items() if i >= m})
-                    for m in splits if m < runner.edge.num_layers]
+                    for m in splits if m < a.edge.num_layers]
         else:
             out.append(c)
     return out
 
 
-def export_for(runner: Runner, c: Candidate, system: str) -> str:
+def export_for(a: Artefacts, c: Candidate, system: str) -> str:
     """An export of the system prompt for a candidate (edgeprompt at its split made on demand)."""
-    name = c.source or c.strategy
-    kv, _ = runner.export(name, system)
+    st = parse_strategy(c.source or c.strategy)
     if c.strategy != "edgeprompt" or c.start_layer == 0:
-        return str(kv)
-    out = Path(kv).parent.parent / f"split-{c.start_layer}"
-    if not (out / "manifest.json").exists():
-        cfg = parse_strategy(name).compress_config(runner, str(out), f"@{Path(kv).parent / 'system_prompt.txt'}")
-        cfg.start_layer = c.start_layer
-        run_compress(cfg, models=(runner.edge, runner.edge))
-    return str(out)
+        return str(a.export(st, system)[0])
+    return str(a.export_at_split(st, system, c.start_layer))
 
 
 def run_plan(cfg: PlanConfig, progress=None) -> dict:
@@ -144,23 +140,23 @@ def run_plan(cfg: PlanConfig, progress=None) -> dict:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     steps = Steps(progress)
-    runner = Runner(ecfg, out, steps)
-    requests = eval_requests(ecfg, cfg.dataset, runner.edge.tokenizer)
+    a = Artefacts(ecfg, out, steps)
+    requests = eval_requests(ecfg, cfg.dataset, a.edge.tokenizer)
     if cfg.request is not None and cfg.request >= len(requests):
         raise EdgeKVError(f"request {cfg.request} is beyond the run's {len(requests)} {cfg.dataset} requests")
-    longest = max(range(len(requests)), key=lambda k: len(runner.edge.tokenizer(requests[k].system)["input_ids"]))
+    longest = max(range(len(requests)), key=lambda k: len(a.edge.tokenizer(requests[k].system)["input_ids"]))
     req = requests[longest if cfg.request is None else cfg.request]
     rows = read_results(qpb / "results.jsonl")
     losses = quality_losses(rows, cfg.dataset, ecfg.seed)
     fixed = [s for s in cfg.sweep if s in ecfg.strategies]
-    candidates = build_candidates(runner, req.system, losses, cfg.splits)
-    profile_exports = [(parse_strategy(s).base, str(runner.export(s, req.system)[0])) for s in fixed]
-    profile = measure_profile(runner.edge, runner.cloud, req.system, req.user, profile_exports,
+    candidates = build_candidates(a, req.system, losses, cfg.splits)
+    profile_exports = [(parse_strategy(s).base, str(a.export(parse_strategy(s), req.system)[0])) for s in fixed]
+    profile = measure_profile(a.edge, a.cloud, req.system, req.user, profile_exports,
                               out / "work" / "kvcache", cfg.reps)
     for c in candidates:  # a codec the profile did not load decodes about as fast as the closest one measured
         profile.decode_s.setdefault(c.quant, statistics.median(profile.decode_s.values()) if profile.decode_s
                                     else 0.0)
-    user = torch.tensor(runner.edge.tokenizer(req.user, add_special_tokens=False)["input_ids"])
+    user = torch.tensor(a.edge.tokenizer(req.user, add_special_tokens=False)["input_ids"])
     picks = []
     advance = steps.task("plan + measure picks", len(cfg.links))
     for text in cfg.links:
@@ -171,11 +167,11 @@ def run_plan(cfg: PlanConfig, progress=None) -> dict:
                 "quant": best.quant, "mb": best.bytes / 2**20, "quality_loss": best.quality_loss,
                 "predicted_s": predict(best, profile, link), "measured_s": None}
         if cfg.measure:
-            pick["measured_s"] = statistics.median(_measure(runner, best, req, user, link, out, cfg.reps))
+            pick["measured_s"] = statistics.median(_measure(a, best, req, user, link, out, cfg.reps))
             pick["error"] = pick["measured_s"] / pick["predicted_s"] - 1
         picks.append(pick)
         advance()
-    sweep, swept = _sweep(runner, cfg, profile, req, user, fixed, out, steps) if cfg.measure else ([], {})
+    sweep, swept = _sweep(a, cfg, profile, req, user, fixed, out, steps) if cfg.measure else ([], {})
     result = {"config": to_dict(cfg), "profile": profile_dict(profile), "request": req.id,
               "candidates": [{"label": c.label, "mb": c.bytes / 2**20, "quality_loss": c.quality_loss}
                              for c in candidates], "picks": picks, "sweep": sweep}
@@ -194,16 +190,16 @@ def run_plan(cfg: PlanConfig, progress=None) -> dict:
     return result
 
 
-def _measure(runner: Runner, c: Candidate, req, user, link: Link, out: Path, reps: int) -> list[float]:
-    kv = None if c.strategy in ("edge-only", "cloud-only") else export_for(runner, c, req.system)
-    model = runner.cloud if c.strategy == "cloud-only" else runner.edge
+def _measure(a: Artefacts, c: Candidate, req, user, link: Link, out: Path, reps: int) -> list[float]:
+    kv = None if c.strategy in ("edge-only", "cloud-only") else export_for(a, c, req.system)
+    model = a.cloud if c.strategy == "cloud-only" else a.edge
     if c.strategy == "cloud-only":
         user = torch.tensor(model.tokenizer(req.user, add_special_tokens=False)["input_ids"])
     extra = link.seconds(len(req.user.encode())) + link.latency_ms / 1e3 if c.strategy == "cloud-only" else 0.0
     return [cold_ttft(model, kv, req.system, user, link, out / "work" / "kvcache")[0] + extra for _ in range(reps)]
 
 
-def _sweep(runner: Runner, cfg: PlanConfig, profile: Profile, req, user, fixed: list[str], out: Path,
+def _sweep(a: Artefacts, cfg: PlanConfig, profile: Profile, req, user, fixed: list[str], out: Path,
            steps: Steps) -> tuple[list[dict], dict[str, Candidate]]:
     """Measured and predicted cold TTFT of the fixed strategies at each bandwidth of the sweep (and the
     strategies as candidates, for the predicted lines)."""
@@ -214,8 +210,8 @@ def _sweep(runner: Runner, cfg: PlanConfig, profile: Profile, req, user, fixed: 
         link = Link(mbps, cfg.sweep_latency_ms)
         for s in strategies:
             c = cands[s] = Candidate(s) if s in ("edge-only", "cloud-only") else candidate_from_export(
-                str(runner.export(s, req.system)[0]), parse_strategy(s).base, source=s)
-            times = _measure(runner, c, req, user, link, out, cfg.reps)
+                str(a.export(parse_strategy(s), req.system)[0]), parse_strategy(s).base, source=s)
+            times = _measure(a, c, req, user, link, out, cfg.reps)
             rows.append({"strategy": s, "mbps": mbps, "latency_ms": cfg.sweep_latency_ms, "mb": c.bytes / 2**20,
                          "measured_s": statistics.median(times), "predicted_s": predict(c, profile, link),
                          "samples": times})

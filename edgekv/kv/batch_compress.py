@@ -8,7 +8,6 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from edgekv import EdgeKVError
 from edgekv.cluster import run_items
 from edgekv.config import to_dict
 from edgekv.kv.catalog import Catalog, export_key

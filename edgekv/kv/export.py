@@ -22,6 +22,8 @@ from safetensors.torch import save as st_save
 from edgekv import EdgeKVError, __version__
 from edgekv.atomic import staged_dir
 from edgekv.kv.registry import TRANSLATOR_CONFIG, TRANSLATOR_TENSORS, translator_from_files
+from edgekv.models.loading import LoadedModel
+from edgekv.models.structure import attn_shape, rotary_cos_sin
 
 FORMAT = "edgekv-kv-export"
 FORMAT_VERSION = 1
@@ -57,6 +59,28 @@ def tokenizer_fingerprint(tokenizer) -> str:
     except AttributeError:  # a tokenizer that refuses new attributes: no caching
         pass
     return digest
+
+
+def model_info(m: LoadedModel) -> dict:
+    """Identity and attention shape of a model, for the manifest."""
+    heads, kv_heads, head_dim = attn_shape(m.model)
+    return {"model": m.spec, "source": m.source, "fingerprint": m.fingerprint, "num_layers": m.num_layers,
+            "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim,
+            "rotary": rotary_cos_sin(m.model, torch.zeros(1, 1, dtype=torch.long),
+                                     torch.zeros(1, 1, 1, head_dim)) is not None}
+
+
+def export_manifest(cloud: dict, edge: LoadedModel, ids: torch.Tensor, layers: list[dict], *, regime: str, splice: str,
+                    start_layer: int, mapping: str, map_location: str, local_sink_tokens: int, prune: dict,
+                    quant: str, **more) -> dict:
+    """An export's manifest: the models (`cloud`: its model_info; `edge`: the loaded edge model), the tokenizer and
+    the system prompt's tokens every reader checks, how the layers were made, and the layers' entries."""
+    return {"regime": regime, "splice": splice, "cloud": cloud, "edge": model_info(edge),
+            "tokenizer_fingerprint": tokenizer_fingerprint(edge.tokenizer),
+            "system_prompt": {"num_tokens": int(ids.numel()), "token_ids_sha256": token_ids_sha256(ids.tolist()),
+                              "token_ids": ids.tolist()},
+            "start_layer": start_layer, "mapping": mapping, "map_location": map_location,
+            "local_sink_tokens": local_sink_tokens, "prune": prune, "quant": quant, "layers": layers, **more}
 
 
 def _canonical(manifest: dict) -> bytes:

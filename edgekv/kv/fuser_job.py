@@ -21,10 +21,18 @@ from pathlib import Path
 import torch
 
 from edgekv import EdgeKVError
-from edgekv.align.align_job import tokenize
-from edgekv.align.mapping import MappingParams, build_mapping
+from edgekv.align.mapping import layer_pairs
 from edgekv.atomic import write_text_atomic
-from edgekv.config import command_config, to_dict
+from edgekv.config import (
+    cloud_setting,
+    command_config,
+    device_setting,
+    dtype_setting,
+    edge_setting,
+    seed_setting,
+    setting,
+    to_dict,
+)
 from edgekv.kv.fuser_training import choose_gates, prepare, train
 from edgekv.kv.registry import TRANSLATORS, save_translator
 from edgekv.kv.translators import HiddenTranslator
@@ -32,7 +40,15 @@ from edgekv.models.capture import capture
 from edgekv.models.loading import DTYPES, check_tokenizers, load_model
 from edgekv.plots import loss_curve
 from edgekv.progress import Steps
-from edgekv.texts import DATA_DIR, iter_sharegpt, render_conversation, sharegpt_texts, split_texts, xsum_documents
+from edgekv.texts import (
+    DATA_DIR,
+    iter_sharegpt,
+    render_conversation,
+    sharegpt_texts,
+    split_texts,
+    tokenize,
+    xsum_documents,
+)
 
 GATES = ("fuse-bias", "fuse-residual")
 DEFAULT_LR = {"fuse-bias": 0.05, "fuse-residual": 1e-3}
@@ -43,39 +59,40 @@ DEFAULT_LR = {"fuse-bias": 0.05, "fuse-residual": 1e-3}
 class TrainFuserConfig:
     """Everything `edgekv train-fuser` needs; see configs/train_fuser.yaml."""
 
-    out: str = "runs/fuser-m12"
-    cloud: str = "default-cloud"
-    edge: str = "default-edge"
-    dtype: str = "bfloat16"
-    device: str = "cpu"  # cpu, cuda or auto (CUDA when torch sees one)
-    gate: str = "fuse-bias"
-    self_fuse: bool = False  # edge → edge: the adapter-only control
-    mapping: str | None = None  # mapping.json of `edgekv align`; None: `strategy` from `start_layer`
-    strategy: str = "last-aligned"  # uniform | last-aligned (C2C pairs layers from the last one back)
-    start_layer: int = 12
+    out: str = setting("runs/fuser-m12", "Output directory (resumes from its checkpoint).")
+    cloud: str = cloud_setting("Cloud model.")
+    edge: str = edge_setting("Edge model.")
+    dtype: str = dtype_setting()
+    device: str = device_setting()
+    gate: str = setting("fuse-bias", "fuse-bias or fuse-residual.")
+    self_fuse: bool = setting(
+        False, "Train edge → edge (the adapter-only control).", toggle="--self-fuse/--no-self-fuse")
+    mapping: str | None = setting(None, "mapping.json of `edgekv align`.", shown="strategy from start layer")
+    strategy: str = setting("last-aligned", "uniform or last-aligned when no mapping.")
+    start_layer: int = setting(12, "First edge layer that may fuse.")
     calib_texts: int = 32
     calib_tokens: int = 256
-    train_texts: int = 120
+    train_texts: int = setting(120, "Training texts (ShareGPT from record 100).")
     train_offset: int = 100
-    xsum_texts: int = 0  # XSum documents (data/xsum) added to the training texts
+    xsum_texts: int = setting(0, "XSum documents added to training (from record 107).")
     xsum_offset: int = 107  # after the fidelity bench's 64 held-out documents and the eval's requests
-    gate_texts: int = 24
+    gate_texts: int = setting(24, "Held-out texts that choose the hard gates.")
     gate_offset: int = 1500
     prefix_tokens: int = 256
     cont_tokens: int = 64
     top_k: int = 64
-    lr: float | None = None  # None: 0.05 (bias), 1e-3 (residual)
+    lr: float | None = setting(None, "Adam learning rate.", shown="0.05 bias, 1e-3 residual")
     rank: int = 32  # fuse-residual's hidden width
-    map_lr: float | None = None  # also train the hidden-state maps at this rate (None: the ridge maps stay as fitted)
-    ce_weight: float = 0.0
-    steps: int = 2000
-    minutes: float = 10.0
+    map_lr: float | None = setting(None, "Also train the hidden-state maps at this rate.", shown="fixed")
+    ce_weight: float = setting(0.0, "Weight of cross-entropy on the text beside the KL.")
+    steps: int = setting(2000, "Most training steps (one text each).")
+    minutes: float = setting(10.0, "Training time budget.")
     eval_every: int = 25
     gate_margin: float = 0.0  # keep open gates only if they beat all-closed by this many nats/token
-    max_open: int | None = None  # at most this many open layers (the most useful): bytes shipped, fuser size
-    seed: int = 0
-    cache: str = "runs/fuser-cache"
-    ship: str | None = None  # also write the compact fuser (open layers, float16 maps) here, for committing
+    max_open: int | None = setting(None, "At most this many open layers, the most useful.", shown="no limit")
+    seed: int = seed_setting()
+    cache: str = setting("runs/fuser-cache", "Feature cache (safetensors per text).")
+    ship: str | None = setting(None, "Also write the compact fuser (open layers, fp16 maps) here.")
 
     def validate(self) -> None:
         """One-line errors for out-of-range values, before any model is loaded."""
@@ -97,22 +114,6 @@ class TrainFuserConfig:
             raise EdgeKVError(f"--max-open must be ≥ 1, got {self.max_open}")
         if self.mapping is not None and not Path(self.mapping).is_file():
             raise EdgeKVError(f"mapping file not found: {self.mapping}")
-
-
-def layer_pairs(cfg: TrainFuserConfig, n_cloud: int, n_edge: int) -> list[tuple[int, int]]:
-    """(edge layer, cloud layer) for edge layers ≥ start_layer: align's mapping.json, else the strategy."""
-    if cfg.mapping:
-        try:
-            pairs = [(int(p["edge_layer"]), int(p["cloud_layer"])) for p in json.loads(
-                Path(cfg.mapping).read_text())["pairs"]]
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise EdgeKVError(f"{cfg.mapping}: not a mapping.json of edgekv align ({exc})") from exc
-        return [(i, j) for i, j in pairs if i >= cfg.start_layer and j < n_cloud and i < n_edge]
-    if not 0 <= cfg.start_layer < n_edge:
-        raise EdgeKVError(f"--start-layer {cfg.start_layer} is out of range: the edge model has {n_edge} layers")
-    zeros = {k: torch.zeros(n_cloud, n_edge) for k in ("linear_cka", "debiased_cka", "rsa")}
-    mapping = build_mapping(cfg.strategy, zeros, MappingParams(cfg.start_layer))
-    return [(p["edge_layer"], p["cloud_layer"]) for p in mapping["pairs"]]
 
 
 def _sharegpt_split(tokenizer, offset: int, count: int, prefix: int, cont: int, end: int | None = None):
@@ -147,7 +148,7 @@ def run_train_fuser(cfg: TrainFuserConfig, progress=None) -> dict:
     teacher = load_model(cfg.cloud, cfg.dtype, device=cfg.device)  # the target is always the cloud's distribution
     cloud = edge if cfg.self_fuse else teacher  # where the fused KV comes from
     check_tokenizers(teacher.tokenizer, edge.tokenizer)
-    pairs = layer_pairs(cfg, cloud.num_layers, edge.num_layers)
+    pairs, _ = layer_pairs(cfg.mapping, cfg.start_layer, cloud.num_layers, edge.num_layers, default=cfg.strategy)
     if not pairs:
         raise EdgeKVError("no layer pairs from --start-layer on")
     pair = (cloud.fingerprint, edge.fingerprint)

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import sys
 
 import torch
 
 from edgekv.models.structure import decoder_layers
+from edgekv.runtime import libc
 
 
 class PackedLinear(torch.nn.Module):
@@ -44,28 +44,7 @@ class PackedLinear(torch.nn.Module):
 _MADV_PAGEOUT = 21  # Linux ≥ 5.4: reclaim these pages now; their contents stay (re-read from the file if touched)
 
 
-def _libc(name: str, argtypes: list | None = None):
-    """A Linux libc function, or None elsewhere (the callers are then silent no-ops)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
-    except (OSError, AttributeError):
-        return None
-    if argtypes is not None:
-        fn.argtypes = argtypes
-    return fn
-
-
-_MADVISE = _libc("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
-_MALLOC_TRIM = _libc("malloc_trim", [ctypes.c_size_t])
-
-
-def trim_heap() -> None:
-    """Return freed heap memory to the OS (glibc's malloc_trim): work copies freed into the heap otherwise stay
-    resident. A no-op elsewhere."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
+_MADVISE = libc("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
 
 
 def page_out(tensor: torch.Tensor) -> None:

@@ -21,8 +21,9 @@ import numpy as np
 import torch
 
 from edgekv import EdgeKVError
-from edgekv.models.prepack import page_out, trim_heap
+from edgekv.models.prepack import page_out
 from edgekv.models.structure import model_device
+from edgekv.runtime import trim_heap
 
 log = logging.getLogger("edgekv")
 WEIGHTS = ("bf16", "int8", "int4")

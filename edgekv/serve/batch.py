@@ -9,7 +9,8 @@ from pathlib import Path
 from edgekv import EdgeKVError
 from edgekv.atomic import write_text_atomic
 from edgekv.progress import Steps
-from edgekv.serve.engine import Engine, GenRequest, SamplingParams
+from edgekv.serve.requests import GenRequest
+from edgekv.serve.sampling import SamplingParams
 from edgekv.serve.serve_job import ServeConfig
 from edgekv.serve.session import EdgeSession
 from edgekv.texts import read_text
@@ -40,7 +41,7 @@ def run_batch(cfg: ServeConfig, session: EdgeSession, progress=None) -> list[dic
     rows = read_batch(cfg.batch, cfg)
     advance = Steps(progress).task("requests", len(rows))
     # inline: the steps run on this thread, which built the session (one OpenMP pool; see Engine)
-    engine = Engine(session, max_batch=cfg.max_batch, max_queue=max(len(rows), 1), background=False)
+    engine = session.engine(max_batch=cfg.max_batch, max_queue=max(len(rows), 1), background=False)
     try:
         done = engine.generate_all([GenRequest(session.encode_user(prompt), params) for _, prompt, params in rows],
                                    on_done=advance)

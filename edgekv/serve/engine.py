@@ -13,209 +13,35 @@ next step.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, TypeVar
+from dataclasses import replace
 
 import torch
 
 from edgekv import EdgeKVError
 from edgekv.attention.decode_step import DecodeStep
 from edgekv.attention.fuse import enable_fusion
+from edgekv.attention.prefix_kv import PrefixKV
 from edgekv.attention.relay import RelayBatch, relay_cache
-from edgekv.models.structure import attn_shape, model_device
-
-if TYPE_CHECKING:  # the session imports the engine (it decodes through it); the engine only reads a session
-    from edgekv.serve.session import EdgeSession
+from edgekv.models.structure import attn_shape, check_context, model_device
+from edgekv.runtime import trim_heap
+from edgekv.serve.requests import EngineBusy, GenRequest, Result, Sequence, add_token, prompt_infos, result_of
+from edgekv.serve.sampling import pick_token, top_rows
 
 log = logging.getLogger("edgekv")
-T = TypeVar("T")
-
-
 TRIM_EVERY = 128  # steps between returning freed heap pages to the OS
-ONEDNN_CACHE = 16  # oneDNN primitives kept for reuse (its default, 1,024, grows RSS with every new step shape)
-
-
-def limit_onednn_cache(capacity: int = ONEDNN_CACHE) -> None:
-    """Bound oneDNN's primitive cache for a long-running server: each step's packed token count is a new GEMM
-    shape, and the default cache keeps 1,024 of them (with their scratch), which a soak sees as RSS creeping up
-    (measured: reports/README). oneDNN reads the variable when it creates its first
-    primitive, so call this before the process's first matmul; a value the user set is kept."""
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))
-
-
-def _libc_trim():
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return libc.malloc_trim if os.environ.get("EDGEKV_NO_MALLOC_TRIM") is None else None
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
-_TRIM = _libc_trim()
-
-
-def _trim_heap() -> None:
-    """glibc keeps freed blocks of the steps' varying-size tensors in its heaps; a long-running server's RSS then
-    creeps up though nothing leaks. malloc_trim gives the free pages back (a few ms)."""
-    if _TRIM is not None:
-        _TRIM(0)
-
-
-@dataclass
-class SamplingParams:
-    """How to pick tokens: greedy at temperature 0, else temperature + nucleus (top_p) sampling, seeded."""
-
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-
-    def from_request(self, data: dict, limit: int, min_tokens: int = 1) -> SamplingParams:
-        """A request's own values ("max_tokens", "temperature", "top_p", "seed") over these defaults, validated;
-        ValueError/TypeError for values of the wrong type, EdgeKVError for out-of-range ones."""
-        params = SamplingParams(int(data.get("max_tokens", self.max_new_tokens)),
-                                float(data.get("temperature", self.temperature)),
-                                float(data.get("top_p", self.top_p)), int(data.get("seed", self.seed)))
-        params.validate(limit, min_tokens)
-        return params
-
-    def validate(self, limit: int, min_tokens: int = 1) -> None:
-        """One-line errors for out-of-range values (`min_tokens` 0: a prompt scored, nothing generated)."""
-        if not min_tokens <= self.max_new_tokens <= limit:
-            raise EdgeKVError(f"max_tokens must be in [{min_tokens}, {limit}], got {self.max_new_tokens}")
-        if not 0.0 <= self.temperature <= 10.0:
-            raise EdgeKVError(f"temperature must be in [0, 10], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise EdgeKVError(f"top_p must be in (0, 1], got {self.top_p}")
-
-
-def pick_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Greedy (temperature 0) or temperature + top-p sampling from one position's logits."""
-    if params.temperature == 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        keep = sorted_p.cumsum(-1) - sorted_p < params.top_p  # the smallest set whose mass reaches top_p
-        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-    # inverse CDF with one uniform draw: the same distribution as torch.multinomial, which draws an exponential per
-    # vocabulary entry (2.9 ms a token on a 152k vocabulary, 15 % of a batch-64 decode step, measured)
-    cdf = probs.cumsum(0)
-    u = torch.rand((), generator=generator) * cdf[-1]
-    return int(torch.searchsorted(cdf, u[None], right=True).clamp(max=probs.numel() - 1))
-
-
-class EngineBusy(EdgeKVError):
-    """The request queue is full (HTTP 429)."""
-
-
-@dataclass
-class GenRequest:
-    """What to generate: user-prompt token ids, sampling, stop strings, log-probs and echo."""
-
-    user_ids: torch.Tensor
-    params: SamplingParams
-    stop: list[str] = field(default_factory=list)
-    logprobs: int | None = None  # top alternatives per token (0..5); None: no log-probs
-    echo: bool = False  # also score the prompt's own tokens (first one: None)
-    first_logits: bool = False  # keep the next-token logits after the prompt (option scoring)
-    score_top_k: int | None = None  # keep the top-k log-probs of every row (a teacher's targets, `Result.targets`)
-
-
-@dataclass
-class TokenInfo:
-    """One token of a prompt or answer, with its log-prob and the top alternatives (None when not scored)."""
-
-    token_id: int
-    text: str
-    logprob: float | None
-    top: dict[int, float] | None
-
-
-@dataclass
-class Result:
-    """A finished request."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # stop | length | cancelled | error
-    prompt_tokens: int
-    ttft_s: float
-    total_s: float
-    tokens: list[TokenInfo]  # the answer's tokens (with log-probs when asked)
-    prompt: list[TokenInfo] | None = None  # echo: the prompt's tokens
-    error: str | None = None
-    layer_wait_s: float = 0.0  # time the prefill waited for system-KV layers still in transit
-    first_logits: torch.Tensor | None = None  # next-token logits after the prompt (GenRequest.first_logits)
-    kv_bytes: int = 0  # the request's cache at the end: shared system KV + its own tokens
-    # GenRequest.score_top_k: (log-probs, ids), each (U + A − 1, k), of the rows predicting tokens 1.. of
-    # prompt + answer (the model's distribution at every position after the first, float32)
-    targets: tuple[torch.Tensor, torch.Tensor] | None = None
-
-
-class Sequence:
-    """A request in flight: its own KV (every layer), tokens, text, and the events it owes its caller."""
-
-    def __init__(self, req: GenRequest, on_event: Callable[[str, object], None]):
-        self.req, self.on_event = req, on_event
-        self.own: list[torch.Tensor] = []  # [k_0, v_0, k_1, v_1, …], each (1, kv_heads, own tokens, d)
-        self.cache = None  # relay=False: the request's own cache over the system KV
-        self.tokens: list[int] = []
-        self.infos: list[TokenInfo] = []
-        self.text, self.sent = "", 0  # decoded answer; characters already streamed
-        self.unsent = 0  # tokens not yet covered by a streamed event
-        self.generator = torch.Generator().manual_seed(req.params.seed)
-        self.next_input: int | None = None
-        self.pending: torch.Tensor | None = None  # prompt tokens not yet through the model
-        self.prompt_logits: list[torch.Tensor] = []  # echo + logprobs: the prompt's logits, chunk by chunk
-        self.position = 0
-        self.submitted = time.perf_counter()
-        self.ttft: float | None = None
-        self.prompt_infos: list[TokenInfo] | None = None
-        self.cancelled = threading.Event()
-        self.finish: str | None = None
-        self.layer_wait = 0.0
-        self.first_logits: torch.Tensor | None = None
-        self.top: list[tuple[torch.Tensor, torch.Tensor]] = []  # score_top_k: (log-probs, ids) of rows so far
-
-
-def _top_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probs, ids) of the k most likely tokens of each row (float32 log-softmax)."""
-    return torch.log_softmax(logits.float(), -1).topk(k, dim=-1)
-
-
-def on_fresh_thread(fn: Callable[..., T], *args, **kwargs) -> T:
-    """fn(*args, **kwargs) on a new thread that ends with it; its result, or its exception re-raised here. Model
-    work done this way (loading, a session's prefill) leaves no OpenMP pool behind on the calling thread, so a
-    serving engine's thread keeps the process's only one (see `Engine`)."""
-    box: dict = {}
-
-    def run() -> None:
-        try:
-            box["out"] = fn(*args, **kwargs)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread as is
-            box["exc"] = exc
-
-    thread = threading.Thread(target=run, name="edgekv-setup")
-    thread.start()
-    thread.join()
-    if "exc" in box:
-        raise box["exc"]
-    return box["out"]
 
 
 class Engine:
-    """Owns the session's model on one thread; `submit` queues a request, `cancel` drops one."""
+    """Owns a model on one thread and decodes every request over one shared system KV; `submit` queues a
+    request, `cancel` drops one. `eos_ids` is read per token (a caller may change the set it passed)."""
 
-    def __init__(self, session: EdgeSession, max_batch: int = 32, max_queue: int = 256, max_step_tokens: int = 512,
-                 background: bool = True, relay: bool = True):
+    def __init__(self, model, tokenizer, system: PrefixKV, eos_ids: set[int], max_batch: int = 32,
+                 max_queue: int = 256, max_step_tokens: int = 512, background: bool = True, relay: bool = True):
         """`relay=False` (one request at a time, `max_batch=1`): each step attends over the request's own cache of the
         system KV (`PrefixKV.request_cache`: one softmax over [system; own], stock SDPA numerics) instead of
         relay attention's two merged segments — the numbers a plain transformers forward gives, which
@@ -230,11 +56,10 @@ class Engine:
         if not relay and max_batch != 1:
             raise EdgeKVError("relay=False serves one request at a time (max_batch=1)")
         self.relay = relay
-        self.session, self.max_batch, self.max_queue = session, max_batch, max_queue
-        self.max_step_tokens = max_step_tokens
-        self.model, self.tokenizer, self.system = session.model, session.edge.tokenizer, session.system
+        self.max_batch, self.max_queue, self.max_step_tokens = max_batch, max_queue, max_step_tokens
+        self.model, self.tokenizer, self.system, self.eos_ids = model, tokenizer, system, eos_ids
         # the attention function that runs relay steps and decode steps (grouped heads folded, keys never
-        # repeated per head); a fuse SystemKV and the session have enabled it already
+        # repeated per head); a fuse SystemKV and a session have enabled it already
         enable_fusion(self.model)
         # relay steps and one-request decode tokens skip transformers' wrapper where the layout allows (the same
         # logits, bit for bit)
@@ -256,7 +81,8 @@ class Engine:
 
     def submit(self, req: GenRequest, on_event: Callable[[str, object], None]) -> Sequence:
         """Queue a request; EngineBusy when the queue is full; EdgeKVError if it cannot fit the context."""
-        self.session.check_fits(req.user_ids.numel(), req.params.max_new_tokens)
+        check_context(self.model.config, self.system.next_position + req.user_ids.numel() + req.params.max_new_tokens,
+                      "system + user prompt + max_tokens")
         if req.user_ids.numel() == 0:
             raise EdgeKVError("the prompt is empty")
         with self.cv:
@@ -358,7 +184,7 @@ class Engine:
         try:
             self._step(admitted)
             if self.stats["steps"] % TRIM_EVERY == 0:
-                _trim_heap()
+                trim_heap()
         except Exception as exc:  # keep serving: the step's requests fail, the engine lives
             log.exception("engine step failed")
             self.stats["errors"] += 1
@@ -442,14 +268,14 @@ class Engine:
             seq.layer_wait += waited[0]
             self.stats["prompt_tokens"] += n
             if all_rows and seq.req.score_top_k is not None:
-                seq.top.append(_top_rows(mine, seq.req.score_top_k))
+                seq.top.append(top_rows(mine, seq.req.score_top_k))
             if all_rows and seq.req.echo:
                 seq.prompt_logits.append(mine)
             seq.pending = seq.pending[n:] if n < seq.pending.numel() else None
             if seq.pending is None:  # the prompt is in: its first token
                 if seq.req.echo:
                     logits_all = torch.cat(seq.prompt_logits) if seq.prompt_logits else None
-                    seq.prompt_infos = self._prompt_infos(seq.req.user_ids, logits_all, seq.req.logprobs)
+                    seq.prompt_infos = prompt_infos(self.tokenizer, seq.req.user_ids, logits_all, seq.req.logprobs)
                 if seq.req.params.max_new_tokens == 0:
                     seq.ttft = time.perf_counter() - seq.submitted
                     self._finish(seq, "length")
@@ -470,77 +296,19 @@ class Engine:
             if seq.req.first_logits:
                 seq.first_logits = logits.float()
         token = pick_token(logits, seq.req.params, seq.generator)
-        if token in self.session.eos_ids:  # read per token: a caller may change the session's set
+        if token in self.eos_ids:
             return self._finish(seq, "stop")
-        logp, top = None, None
-        if seq.req.logprobs is not None:
-            lp = torch.log_softmax(logits.float(), -1)
-            logp = float(lp[token])
-            top = self._top(lp, seq.req.logprobs)
-        seq.tokens.append(token)
-        if seq.req.score_top_k is not None and len(seq.tokens) > 1:  # the first token's row is the prompt's last
-            seq.top.append(_top_rows(logits[None], seq.req.score_top_k))
-        seq.infos.append(TokenInfo(token, self.tokenizer.decode([token]), logp, top))
-        seq.next_input = token
         self.stats["completion_tokens"] += 1
-        text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
-        for stop in seq.req.stop:
-            at = text.find(stop)
-            if at >= 0:
-                seq.text = text[:at]
-                return self._finish(seq, "stop")
-        seq.text = text
-        if len(seq.tokens) >= seq.req.params.max_new_tokens:
-            return self._finish(seq, "length")
-        hold = max((len(s) - 1 for s in seq.req.stop), default=0)  # a stop string may still be forming
-        safe = len(text) - hold
-        if safe > seq.sent and not text[:safe].endswith("\ufffd"):
-            self._emit(seq, text[seq.sent:safe])
-            seq.sent = safe
-
-    def _emit(self, seq: Sequence, delta: str) -> None:
-        """A text delta with the tokens it completes (their log-probs travel with it)."""
-        seq.on_event("text", (delta, seq.infos[seq.unsent:]))
-        seq.unsent = len(seq.infos)
-
-    def _top(self, logp: torch.Tensor, k: int) -> dict[int, float]:
-        if k <= 0:
-            return {}
-        values, ids = logp.topk(k)
-        return {int(i): float(v) for i, v in zip(ids, values)}
-
-    def _prompt_infos(self, ids: torch.Tensor, logits: torch.Tensor | None, k: int | None) -> list[TokenInfo]:
-        """The prompt's tokens; with logits, each one's log-prob given the ones before (the first: None, as
-        OpenAI's echo; the system prompt before it is not scored)."""
-        out = [TokenInfo(int(ids[0]), self.tokenizer.decode([int(ids[0])]), None, None)]
-        lp = torch.log_softmax(logits[:-1].float(), -1) if logits is not None else None
-        for n in range(1, ids.numel()):
-            t = int(ids[n])
-            out.append(TokenInfo(t, self.tokenizer.decode([t]), None if lp is None else float(lp[n - 1, t]),
-                                 None if lp is None else self._top(lp[n - 1], k)))
-        return out
+        reason = add_token(seq, token, logits, self.tokenizer)
+        if reason is not None:
+            self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         if seq.finish is not None:
             return
         seq.finish = reason
-        if reason != "cancelled" and len(seq.text) > seq.sent:
-            self._emit(seq, seq.text[seq.sent:])
-            seq.sent = len(seq.text)
         self.stats["cancelled" if reason == "cancelled" else "finished"] += 1
-        # an errored request may have failed on the system KV itself: do not read it again for its size
-        own = seq.own if seq.cache is None else [t for layer in seq.cache.layers if layer.is_initialized
-                                                 for t in (layer.keys, layer.values)]
-        kv_bytes = 0 if reason in ("error", "cancelled") else self.system.nbytes + sum(
-            t.numel() * t.element_size() for t in own)
-        seq.own, seq.cache = [], None
-        targets = None
-        if seq.req.score_top_k is not None and reason not in ("error", "cancelled") and seq.top:
-            rows = int(seq.req.user_ids.numel()) + len(seq.tokens) - 1  # an EOS row predicts no kept token
-            targets = tuple(torch.cat([t[n] for t in seq.top])[:rows] for n in (0, 1))
-        result = Result(seq.text, list(seq.tokens), reason, int(seq.req.user_ids.numel()), seq.ttft or 0.0,
-                        time.perf_counter() - seq.submitted, seq.infos, seq.prompt_infos, error, seq.layer_wait,
-                        seq.first_logits, kv_bytes, targets)
+        result = result_of(seq, reason, error, self.system.nbytes)
         try:
             seq.on_event("done", result)
         except Exception:  # a caller's callback must never take the engine down

@@ -13,9 +13,10 @@ import threading
 
 import uvicorn
 
-from edgekv.serve.engine import Engine, SamplingParams
+from edgekv.serve.engine import Engine
 from edgekv.serve.openai_api import APISettings, build_app
 from edgekv.serve.pool import ExportPool, export_id
+from edgekv.serve.sampling import SamplingParams
 from edgekv.serve.session import EdgeSession
 
 log = logging.getLogger("edgekv")

@@ -26,8 +26,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgekv import EdgeKVError
-from edgekv.serve.engine import Engine, EngineBusy, GenRequest, Result, SamplingParams, TokenInfo
+from edgekv.serve.engine import Engine
 from edgekv.serve.pool import ExportPool
+from edgekv.serve.requests import EngineBusy, GenRequest, Result, TokenInfo
+from edgekv.serve.sampling import SamplingParams
 from edgekv.summary import percentile
 
 MAX_LOGPROBS = 5

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgekv import EdgeKVError
-from edgekv.serve.engine import Engine, on_fresh_thread
+from edgekv.runtime import on_fresh_thread
+from edgekv.serve.engine import Engine
 from edgekv.serve.session import EdgeSession
 
 
@@ -62,12 +63,12 @@ class ExportPool:
                    ) -> ExportPool:
         """A pool of one session already open."""
         pool = cls(lambda s: session, {}, None, max_batch, max_queue)
-        pool.add(model_id, Engine(session, max_batch, max_queue))
+        pool.add(model_id, session.engine(max_batch=max_batch, max_queue=max_queue))
         return pool
 
     def add(self, model_id: str, engine: Engine) -> None:
         """An engine already open (never unloaded: there is no source to reload it from)."""
-        self.entries[model_id] = _Entry(None, engine, engine.session.system.nbytes)
+        self.entries[model_id] = _Entry(None, engine, engine.system.nbytes)
 
     def resolve(self, name: str | None) -> str | None:
         """The model id a request's name means (an id or one of its aliases), or None."""
@@ -90,7 +91,7 @@ class ExportPool:
             if entry.engine is None:
                 # an HTTP worker thread lives on: the prefill runs on a thread that ends (one OpenMP pool per engine)
                 session = on_fresh_thread(self.open_session, entry.source)
-                entry.engine = Engine(session, self.max_batch, self.max_queue)
+                entry.engine = session.engine(max_batch=self.max_batch, max_queue=self.max_queue)
                 entry.kv_bytes = session.system.nbytes
                 self.stats["loads"] += 1
                 self._evict(keep=model_id)

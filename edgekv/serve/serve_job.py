@@ -7,14 +7,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgekv import EdgeKVError
-from edgekv.config import command_config
+from edgekv.config import (
+    command_config,
+    device_setting,
+    dtype_setting,
+    edge_setting,
+    seed_setting,
+    setting,
+    weights_setting,
+)
 from edgekv.kv.catalog import Catalog
 from edgekv.models.loading import DTYPES, load_model
 from edgekv.models.prepack import prepack_linears
-from edgekv.serve.engine import SamplingParams, limit_onednn_cache, on_fresh_thread
+from edgekv.runtime import limit_onednn_cache, on_fresh_thread
 from edgekv.serve.http_server import EdgeServer
 from edgekv.serve.pipeline import Link
 from edgekv.serve.pool import ExportPool, expand_sources, export_id
+from edgekv.serve.sampling import SamplingParams
 from edgekv.serve.session import EdgeSession
 from edgekv.texts import read_system_prompt
 
@@ -24,34 +33,42 @@ from edgekv.texts import read_system_prompt
 class ServeConfig:
     """Everything `edgekv serve-edge` needs."""
 
-    edge: str = "default-edge"
-    catalog: str | None = None  # serve every entry of a catalog (edgekv.kv.catalog) as a model id
-    kv: str | list[str] | None = None  # export dir, .tar or URL; several (or a folder of them): one model each
-    system_prompt: str | None = None  # TEXT or @FILE: required only to prefill locally when no export is readable
-    dtype: str = "bfloat16"
-    device: str = "cpu"  # cpu, cuda or auto (CUDA when torch sees one)
-    weights: str = "bf16"  # the edge's linears: bf16, int8 or int4 (weight-only, torch's CPU kernels)
-    host: str = "127.0.0.1"
-    port: int = 8000
-    batch: str | None = None
-    output: str | None = None
-    bandwidth_mbps: float | None = None
-    latency_ms: float = 0.0
-    max_new_tokens: int = 64
-    max_tokens_limit: int = 512
-    max_body_bytes: int = 1 << 20
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    local_sink_tokens: int | None = None  # None: as the export says
-    cache_dir: str | None = None  # where verified copies of remote exports are kept
-    api_key: str | None = None  # Bearer key for /v1/* (else EDGEKV_API_KEY; none: open)
-    max_batch: int = 32  # requests decoded together per engine step (1: one at a time)
-    max_queue: int = 256  # requests in flight (waiting + running); more are answered 429
-    served_model_name: str | None = None  # the id in /v1/models [the export's folder name]; one export only
-    peer_kv: str | None = None  # same-model export of the system prompt from a nearby edge: the shallow layers
-    max_kv_mb: float | None = None  # system KV held in memory; idle exports beyond it are unloaded (LRU)
-    prepack: bool = True  # bf16 on CPU: oneDNN weight layout made once at load (bit-identical, faster)
+    edge: str = edge_setting("Edge model: alias, hub id, directory or .gguf.")
+    catalog: str | None = setting(None, "Serve every entry of a catalog (folder or URL) by name/hash.")
+    kv: str | list[str] | None = setting(
+        None, "KV export: directory, .tar, or URL (http(s)://, s3://, …); repeat it (or give a folder of exports) to "
+        "serve one model per export.", repeat=True,
+        parse=lambda v: v[0] if len(v) == 1 else v)
+    system_prompt: str | None = setting(None, "TEXT or @FILE; used for local prefill if no export.")
+    dtype: str = dtype_setting()
+    device: str = device_setting()
+    weights: str = weights_setting()
+    host: str = setting("127.0.0.1", "Bind address.")
+    port: int = setting(8000, "Port.")
+    batch: str | None = setting(None, "Batch mode: JSONL of {\"prompt\", …} requests.")
+    output: str | None = setting(None, "Batch mode: JSONL results (written atomically).")
+    bandwidth_mbps: float | None = setting(None, "Link emulator: bandwidth in Mbit/s.", shown="unthrottled")
+    latency_ms: float = setting(0.0, "Link emulator: latency per file in ms.")
+    max_new_tokens: int = setting(64, "Default max tokens per answer.")
+    max_tokens_limit: int = setting(512, "Largest max_tokens a request may ask.")
+    max_body_bytes: int = setting(1 << 20, "Largest request body (larger → 413).")
+    temperature: float = setting(0.0, "Default temperature (0 = greedy).")
+    top_p: float = setting(1.0, "Default nucleus top-p.")
+    seed: int = seed_setting("Default sampling seed.")
+    local_sink_tokens: int | None = setting(None, "Override the export's local sink tokens.")
+    cache_dir: str | None = setting(None, "Verified copies of remote exports.", shown="~/.cache/edgekv")
+    api_key: str | None = setting(None, "Bearer key required on /v1/*.", shown="EDGEKV_API_KEY; none: open")
+    max_batch: int = setting(32, "Requests decoded together per engine step.")
+    max_queue: int = setting(256, "Requests in flight; beyond it → 429.")
+    served_model_name: str | None = setting(None, "Model id in /v1/models.", shown="the export's name")
+    peer_kv: str | None = setting(
+        None, "Same-model export of the system prompt from a nearby edge: its layers < m replace the local shallow "
+        "prefill.")
+    max_kv_mb: float | None = setting(
+        None, "System KV held in memory; idle exports beyond it are unloaded and reloaded on demand.",
+        shown="no limit")
+    prepack: bool = setting(
+        True, "bf16 on CPU: prepack the linear weights for oneDNN.", toggle="--prepack/--no-prepack")
 
     def validate(self) -> None:
         """One-line errors for out-of-range values, before any model is loaded."""

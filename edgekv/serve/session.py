@@ -15,9 +15,11 @@ from edgekv import EdgeKVError
 from edgekv.attention.fuse import enable_fusion
 from edgekv.attention.prefix_kv import continuation_nll
 from edgekv.models.loading import LoadedModel, eos_ids
-from edgekv.models.structure import check_context, context_limit
-from edgekv.serve.engine import Engine, GenRequest, Result, SamplingParams
+from edgekv.models.structure import context_limit
+from edgekv.serve.engine import Engine
 from edgekv.serve.pipeline import Link
+from edgekv.serve.requests import GenRequest, Result
+from edgekv.serve.sampling import SamplingParams
 from edgekv.serve.system_kv import SystemKV
 
 
@@ -70,10 +72,10 @@ class EdgeSession:
         """The model's context length (`max_position_embeddings`, or a smaller sliding window)."""
         return context_limit(self.model.config)
 
-    def check_fits(self, user_tokens: int, max_new_tokens: int) -> None:
-        """One-line error when system + user prompt + max_tokens exceed the model's context."""
-        check_context(self.model.config, self.system.next_position + user_tokens + max_new_tokens,
-                      "system + user prompt + max_tokens")
+    def engine(self, **limits) -> Engine:
+        """An engine decoding on this session's model and system KV (`limits`: Engine's max_batch, max_queue,
+        max_step_tokens, background, relay)."""
+        return Engine(self.model, self.edge.tokenizer, self.system, self.eos_ids, **limits)
 
     def complete(self, prompt: str | torch.Tensor, params: SamplingParams | None = None) -> Result:
         """Answer one user prompt on the shared system KV (the engine, inline, batch of one)."""
@@ -81,8 +83,8 @@ class EdgeSession:
         user = self.encode_user(prompt) if isinstance(prompt, str) else prompt
         with self._engine_lock:  # one caller drives the inline engine at a time
             if self._engine is None:
-                self._engine = Engine(self, max_batch=1, max_step_tokens=self.max_context, background=False,
-                                      relay=False)
+                self._engine = self.engine(max_batch=1, max_step_tokens=self.max_context, background=False,
+                                           relay=False)
             done = self._engine.generate(GenRequest(user, params, first_logits=True))
         if done.error is not None:
             raise EdgeKVError(done.error)

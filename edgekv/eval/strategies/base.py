@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from edgekv import EdgeKVError
+from edgekv.eval.artefacts import Artefacts
+from edgekv.eval.datasets import Request
 from edgekv.kv.codecs import SCHEMES
 from edgekv.kv.compress_job import CompressConfig
 from edgekv.models.loading import LoadedModel
 from edgekv.serve.session import EdgeSession
-
-if TYPE_CHECKING:  # the runner imports the strategies; they only call it
-    from edgekv.eval.datasets import Request
-    from edgekv.eval.eval_job import Runner
 
 STRATEGIES: dict[str, type[Strategy]] = {}
 
@@ -80,17 +78,17 @@ class Strategy(ABC):
         """One-line errors for settings this strategy needs (before any model loads)."""
 
     @abstractmethod
-    def answering(self, runner: Runner, req: Request) -> Answering:
+    def answering(self, a: Artefacts, req: Request) -> Answering:
         """The session that answers `req`, timed from the start of its construction."""
 
-    def model(self, runner: Runner) -> LoadedModel:
+    def model(self, a: Artefacts) -> LoadedModel:
         """The model that answers."""
-        return runner.edge
+        return a.edge
 
-    def load_session(self, runner: Runner, system: str) -> tuple[EdgeSession, bool]:
+    def load_session(self, a: Artefacts, system: str) -> tuple[EdgeSession, bool]:
         """A warm session for Poisson load runs on one system prompt; True when prompts are user prompts only
         (the system KV is reused), False when each prompt must carry the system prompt."""
-        return EdgeSession(self.model(runner), None, system_prompt=""), False
+        return EdgeSession(self.model(a), None, system_prompt=""), False
 
 
 class KVStrategy(Strategy):
@@ -98,46 +96,47 @@ class KVStrategy(Strategy):
 
     ships_kv: ClassVar[bool] = True
 
-    def cloud_model(self, runner: Runner) -> LoadedModel:
+    def cloud_model(self, a: Artefacts) -> LoadedModel:
         """The model that computes the export's KV."""
-        return runner.cloud
+        return a.cloud
 
-    def prepare(self, runner: Runner) -> None:
+    def prepare(self, a: Artefacts) -> None:
         """Work done once per run before the first export (e.g. fitting a translator)."""
 
     @abstractmethod
-    def make_export(self, runner: Runner, work: Path, prompt_file: Path) -> tuple[Path, dict]:
+    def make_export(self, a: Artefacts, work: Path, prompt_file: Path) -> tuple[Path, dict]:
         """(the export of the system prompt in `prompt_file`, made in `work`; {cloud_s, bytes, cloud_fp16_bytes})."""
 
-    def answering(self, runner: Runner, req: Request) -> Answering:
-        export, info = runner.export(self, req.system)
+    def answering(self, a: Artefacts, req: Request) -> Answering:
+        export, info = a.export(self, req.system)
         start = time.perf_counter()
-        session = EdgeSession(runner.edge, str(export), link=runner.link, cache_dir=runner.out / "work" / "kvcache")
-        return Answering(session, runner.edge, time.perf_counter() - start, [("system", info["cloud_input"])],
+        session = EdgeSession(a.edge, str(export), link=a.link, cache_dir=a.out / "work" / "kvcache")
+        return Answering(session, a.edge, time.perf_counter() - start, [("system", info["cloud_input"])],
                          info["cloud_s"], info["bytes"], info["cloud_fp16_bytes"])
 
-    def load_session(self, runner: Runner, system: str) -> tuple[EdgeSession, bool]:
-        export, _ = runner.export(self, system)
-        return EdgeSession(runner.edge, str(export), cache_dir=runner.out / "work" / "kvcache"), True
+    def load_session(self, a: Artefacts, system: str) -> tuple[EdgeSession, bool]:
+        export, _ = a.export(self, system)
+        return EdgeSession(a.edge, str(export), cache_dir=a.out / "work" / "kvcache"), True
 
 
 class CompressStrategy(KVStrategy):
     """A KV strategy whose export `edgekv compress` makes."""
 
-    def compress_config(self, runner: Runner, out: str, system_prompt: str) -> CompressConfig:
-        """The `edgekv compress` settings of this strategy's export (ratio/codec overrides applied)."""
-        cfg = self._compress_config(runner, out, system_prompt)
+    def compress_config(self, a: Artefacts) -> CompressConfig:
+        """The `edgekv compress` settings of this strategy's exports (ratio/codec overrides applied; no `out` or
+        system prompt yet)."""
+        cfg = self._compress_config(a)
         if self.prune_ratio is not None:
-            cfg.prune_ratio, cfg.quant = self.prune_ratio, self.quant
+            cfg = replace(cfg, prune_ratio=self.prune_ratio, quant=self.quant)
         return cfg
 
     @abstractmethod
-    def _compress_config(self, runner: Runner, out: str, system_prompt: str) -> CompressConfig:
+    def _compress_config(self, a: Artefacts) -> CompressConfig:
         """The strategy's own compress settings, before the ratio/codec overrides."""
 
-    def make_export(self, runner: Runner, work: Path, prompt_file: Path) -> tuple[Path, dict]:
-        report = runner.compress(self, self.compress_config(runner, str(work / "kv"), f"@{prompt_file}"),
-                                 work.name)
+    def make_export(self, a: Artefacts, work: Path, prompt_file: Path) -> tuple[Path, dict]:
+        cfg = replace(self.compress_config(a), out=str(work / "kv"), system_prompt=f"@{prompt_file}")
+        report = a.compress(self, cfg, work.name)
         return work / "kv", {"cloud_s": report["cloud_s"], "bytes": report["bytes_written"],
                              "cloud_fp16_bytes": report["raw_fp16_cloud_bytes"]}
 

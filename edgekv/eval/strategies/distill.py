@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import ClassVar
 
 from edgekv.config import load_config
-from edgekv.eval.strategies.base import KVStrategy, register_strategy
 from edgekv.distill.distill_job import V1_RECIPE, DistillConfig, run_distill
+from edgekv.eval.strategies.base import KVStrategy, register_strategy
 
 
 @dataclass(frozen=True)
@@ -42,12 +42,12 @@ class DistillStrategy(KVStrategy):
         return cls(name, variant, factor=int(m.group(1)) if m.group(1) else None,
                    train_steps=int(m.group(2)) if m.group(2) else None)
 
-    def cloud_model(self, runner):
-        return runner.edge if self.teacher == "self" else runner.cloud
+    def cloud_model(self, a):
+        return a.edge if self.teacher == "self" else a.cloud
 
-    def distill_config(self, runner, work: Path, prompt_file: Path) -> DistillConfig:
+    def distill_config(self, a, work: Path, prompt_file: Path) -> DistillConfig:
         """The run's distill config (configs/distill.yaml unless the eval config names another), for this prompt."""
-        c = runner.cfg
+        c = a.cfg
         cfg = load_config(DistillConfig, "distill", c.distill_config, {"system_prompt": f"@{prompt_file}"})
         if self.variant == "v1":
             cfg = replace(cfg, **V1_RECIPE)
@@ -62,9 +62,9 @@ class DistillStrategy(KVStrategy):
                        synthetic_dir=str(work.parent.parent / f"synthetic-{self.teacher}-{self.variant or 'all'}"
                                          / work.name))
 
-    def make_export(self, runner, work, prompt_file):
-        cfg = self.distill_config(runner, work, prompt_file)
-        report = run_distill(cfg, models=(runner.cloud, runner.edge))["reports"]["prompt"]
+    def make_export(self, a, work, prompt_file):
+        cfg = self.distill_config(a, work, prompt_file)
+        report = run_distill(cfg, models=(a.cloud, a.edge))["reports"]["prompt"]
         cloud_s = sum(report.get(k) or 0.0 for k in ("generate_s", "targets_s", "train_s"))
         return Path(report["out"]), {"cloud_s": cloud_s, "bytes": report["bytes_written"],
                                      "cloud_fp16_bytes": report["full_fp16_bytes"]}

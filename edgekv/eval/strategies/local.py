@@ -16,15 +16,15 @@ class CloudOnly(Strategy):
 
     base = "cloud-only"
 
-    def model(self, runner):
-        return runner.cloud
+    def model(self, a):
+        return a.cloud
 
-    def answering(self, runner, req):
+    def answering(self, a, req):
         start = time.perf_counter()
-        session = EdgeSession(runner.cloud, None, system_prompt=req.system)
+        session = EdgeSession(a.cloud, None, system_prompt=req.system)
         built = time.perf_counter() - start
-        network_s = runner.link.seconds(len(req.user.encode())) + runner.cfg.latency_ms / 1e3
-        return Answering(session, runner.cloud, built, [("system", req.system), ("user", req.user)],
+        network_s = a.link.seconds(len(req.user.encode())) + a.cfg.latency_ms / 1e3
+        return Answering(session, a.cloud, built, [("system", req.system), ("user", req.user)],
                          network_s=network_s, answer_down=True)
 
 
@@ -34,10 +34,10 @@ class EdgeOnly(Strategy):
 
     base = "edge-only"
 
-    def answering(self, runner, req):
+    def answering(self, a, req):
         start = time.perf_counter()
-        session = EdgeSession(runner.edge, None, system_prompt=req.system)
-        return Answering(session, runner.edge, time.perf_counter() - start)
+        session = EdgeSession(a.edge, None, system_prompt=req.system)
+        return Answering(session, a.edge, time.perf_counter() - start)
 
 
 @register_strategy
@@ -46,8 +46,8 @@ class EdgeNaive(Strategy):
 
     base = "edge-naive"
 
-    def answering(self, runner, req):
-        system = truncate_prompt(runner.edge.tokenizer, req.system, runner.cfg.context_budget, runner.cfg.naive_keep)
+    def answering(self, a, req):
+        system = truncate_prompt(a.edge.tokenizer, req.system, a.cfg.context_budget, a.cfg.naive_keep)
         start = time.perf_counter()
-        session = EdgeSession(runner.edge, None, system_prompt=system)
-        return Answering(session, runner.edge, time.perf_counter() - start)
+        session = EdgeSession(a.edge, None, system_prompt=system)
+        return Answering(session, a.edge, time.perf_counter() - start)

@@ -21,13 +21,13 @@ class EdgePrompt(CompressStrategy):
     base = "edgeprompt"
     knobs = True
 
-    def cloud_model(self, runner):
-        return runner.edge
+    def cloud_model(self, a):
+        return a.edge
 
-    def _compress_config(self, runner, out, system_prompt):
-        c = runner.cfg
-        return CompressConfig(out=out, cloud=c.edge, edge=c.edge, dtype=c.dtype, system_prompt=system_prompt,
-                              start_layer=0, quant="bf16" if c.dtype == "bfloat16" else "fp32")
+    def _compress_config(self, a):
+        c = a.cfg
+        return CompressConfig(cloud=c.edge, edge=c.edge, dtype=c.dtype, start_layer=0,
+                              quant="bf16" if c.dtype == "bfloat16" else "fp32")
 
 
 @register_strategy
@@ -38,14 +38,14 @@ class CeLslm(CompressStrategy):
     variants = tuple(MAPPINGS)
     knobs = True
 
-    def prepare(self, runner):
-        runner.translator_path(self.variant)
+    def prepare(self, a):
+        a.translator_path(self.variant, self._compress_config(a))
 
-    def _compress_config(self, runner, out, system_prompt):
-        c = runner.cfg
-        return CompressConfig(out=out, cloud=c.cloud, edge=c.edge, dtype=c.dtype, system_prompt=system_prompt,
-                              mapping=runner.mapping_path(self.variant), prune_ratio=c.prune_ratio, quant=c.quant,
-                              translator=c.translator, translator_path=runner.translators.get(self.variant),
+    def _compress_config(self, a):
+        c = a.cfg
+        return CompressConfig(cloud=c.cloud, edge=c.edge, dtype=c.dtype, mapping=a.mapping_path(self.variant),
+                              prune_ratio=c.prune_ratio, quant=c.quant,
+                              translator=c.translator, translator_path=a.translators.get(self.variant),
                               local_sink_tokens=c.local_sink_tokens, calib=c.calib, calib_texts=c.calib_texts,
                               calib_tokens=c.calib_tokens)
 
@@ -61,9 +61,9 @@ class CeLslmFuse(CompressStrategy):
             raise EdgeKVError("strategy ce-lslm-fuse needs fuser_path (a trained fuser, e.g. from "
                               "`edgekv train-fuser`)")
 
-    def _compress_config(self, runner, out, system_prompt):
-        c = runner.cfg  # the fuser's own pairs and open gates decide which layers ship
+    def _compress_config(self, a):
+        c = a.cfg  # the fuser's own pairs and open gates decide which layers ship
         name = json.loads((Path(c.fuser_path) / "translator.json").read_text())["name"]
-        return CompressConfig(out=out, cloud=c.cloud, edge=c.edge, dtype=c.dtype, system_prompt=system_prompt,
-                              prune_ratio=c.prune_ratio, quant=c.quant, translator=name,
+        return CompressConfig(cloud=c.cloud, edge=c.edge, dtype=c.dtype, prune_ratio=c.prune_ratio, quant=c.quant,
+                              translator=name,
                               translator_path=c.fuser_path, splice="fuse")

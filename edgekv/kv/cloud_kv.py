@@ -1,0 +1,167 @@
+"""The cloud's side of an export: the system prompt's KV for each shipped edge layer, from the model itself (same
+model) or through a translator fitted on calibration texts (heterogeneous), with the queries that score ThinK."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from edgekv import EdgeKVError
+from edgekv.kv.encode import LayerKV
+from edgekv.kv.registry import TRANSLATORS, load_translator, translator_files
+from edgekv.kv.translators import Translator, split_by_text
+from edgekv.models.capture import capture
+from edgekv.models.loading import LoadedModel
+from edgekv.models.structure import attn_shape, split_heads
+from edgekv.progress import Steps
+from edgekv.texts import load_text_file, sharegpt_texts, tokenize
+
+
+@dataclass
+class CloudSide:
+    """What the cloud computed for an export, before encoding."""
+
+    translator: Translator | None
+    pairs: list[tuple[int, int]]
+    mapping_source: str
+    layers: list[LayerKV]
+    extra: dict = field(default_factory=dict)  # translator files shipped with the export
+    files: dict = field(default_factory=dict)  # the translator's files (hashed into the manifest)
+    timings: dict = field(default_factory=dict)
+
+
+def _window_and_heldout(q: torch.Tensor, window: int, max_heldout: int = 256, seed: int = 0):
+    """Split (heads, tokens, d) queries into the observation window (last w) and held-out earlier positions."""
+    w = min(window, q.shape[1])
+    heldout = q[:, : q.shape[1] - w]
+    if heldout.shape[1] == 0:  # a prompt no longer than the window: measure on the window itself
+        heldout = q[:, -w:]
+    if heldout.shape[1] > max_heldout:
+        keep = torch.randperm(heldout.shape[1], generator=torch.Generator().manual_seed(seed))[:max_heldout]
+        heldout = heldout[:, keep.sort().values]
+    return q[:, -w:], heldout
+
+
+def same_model_layers(model: LoadedModel, ids: torch.Tensor, start: int, window: int, seed: int,
+                      steps: Steps | None = None) -> list[LayerKV]:
+    """The model's own KV of layers start..L-1 (rotated, as in its cache) and its own queries."""
+    acts = capture(model.model, [ids], ("k", "v", "q"), on_text=(steps or Steps()).task("system prompt forward", 1))
+    heads, kv_heads, _ = attn_shape(model.model)
+    layers = []
+    for i in range(start, model.num_layers):
+        q_obs, q_held = _window_and_heldout(split_heads(acts.layers["q"][i], heads), window, seed=seed)
+        layers.append(LayerKV(i, i, split_heads(acts.layers["k"][i], kv_heads),
+                              split_heads(acts.layers["v"][i], kv_heads), q_obs, q_held, "edge"))
+    return layers
+
+
+def calibration(cfg: Any, tokenizer) -> list[torch.Tensor]:
+    """The calibration texts of an export's settings (`cfg`: a CompressConfig), tokenized."""
+    source = (load_text_file(cfg.calib) if cfg.calib else
+              sharegpt_texts(cfg.calib_texts, offset=cfg.calib_offset))
+    seqs = tokenize(tokenizer, source.texts[: cfg.calib_texts], cfg.calib_tokens, min_tokens=2)
+    if len(seqs) < 3:
+        raise EdgeKVError(f"{source.description}: fewer than 3 usable calibration texts")
+    return seqs
+
+
+_QUERY_CACHE: dict[tuple, object] = {}
+
+
+def _edge_queries(edge: LoadedModel, calib: list[torch.Tensor], steps: Steps):
+    """The edge's calibration queries (ThinK scoring for edge-shaped exports), captured once per process for the
+    same model and texts: a process that compresses many prompts (edgekv eval) pays for them once."""
+    digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in calib)).hexdigest()
+    key = (edge.fingerprint, digest)
+    if key not in _QUERY_CACHE:
+        _QUERY_CACHE.clear()  # keep one entry: the captures are tens of MB
+        _QUERY_CACHE[key] = capture(edge.model, calib, ("q",), on_text=steps.task("calibration: edge", len(calib)))
+    return _QUERY_CACHE[key]
+
+
+def get_translator(cfg: Any, cloud: LoadedModel, edge: LoadedModel, pairs: list[tuple[int, int]],
+                   calib: list[torch.Tensor], steps: Steps) -> tuple[Translator, dict]:
+    """The translator: loaded from --translator-path (checked against this model pair), or fitted on the
+    calibration texts for `pairs`. Also returns the edge's calibration captures (for ThinK scoring queries)."""
+    if cfg.translator_path:  # loaded (and checked) before any forward pass: a wrong one fails fast
+        translator = load_translator(cfg.translator_path, cloud.fingerprint, edge.fingerprint)
+        if translator.name != cfg.translator:
+            raise EdgeKVError(f"{cfg.translator_path}: a '{translator.name}' translator, not '{cfg.translator}'")
+        return translator, _edge_queries(edge, calib, steps)
+    edge_cal = capture(edge.model, calib, ("q", *TRANSLATORS[cfg.translator].features),
+                       on_text=steps.task("calibration: edge", len(calib)))
+    cloud_cal = capture(cloud.model, calib, TRANSLATORS[cfg.translator].features,
+                        on_text=steps.task("calibration: cloud", len(calib)))
+    return TRANSLATORS[cfg.translator]().fit(cloud_cal, edge_cal, pairs, edge.model), edge_cal
+
+
+def heterogeneous_layers(cloud: LoadedModel, edge: LoadedModel, ids: torch.Tensor, translator: Translator,
+                         edge_cal, cfg: Any, steps: Steps | None = None) -> list[LayerKV]:
+    """What is shipped for each of the translator's pairs: edge-shaped KV (map on the cloud) or the cloud-space
+    features the edge's translator needs (map on the edge), with the queries that score key channels."""
+    steps = steps or Steps()
+    features = (*translator.features, "q_unrot")
+    cloud_prompt = capture(cloud.model, [ids], features, on_text=steps.task("system prompt: cloud forward", 1))
+    c_heads, c_kv, _ = attn_shape(cloud.model)
+    e_heads, _, _ = attn_shape(edge.model)
+    # edge-space scoring queries come from calibration (the cloud never runs the edge on the prompt):
+    # the last w positions of each train/validation text observe, the test texts are held out
+    _, _, test = split_by_text(edge_cal.text_index)
+    last = torch.zeros_like(test)
+    for t in torch.unique(edge_cal.text_index):
+        rows = (edge_cal.text_index == t).nonzero().flatten()
+        last[rows[-cfg.window:]] = True
+    layers = []
+    for i, j in translator.pairs():
+        info = {k: v for k, v in translator.info[i].items() if k != "cloud_layer"}
+        feats = {f: cloud_prompt.layers[f][j] for f in translator.features}
+        if cfg.map_on == "cloud":
+            with torch.no_grad():
+                keys, values = translator.layer_kv(edge.model, i, feats)
+            q_all = edge_cal.layers["q"][i]
+            q_obs, q_held = split_heads(q_all[last & ~test], e_heads), split_heads(q_all[test], e_heads)
+            layers.append(LayerKV(i, j, keys, values, q_obs, q_held, "edge", info))
+        elif "hidden_in" in feats:
+            layers.append(LayerKV(i, j, None, None, None, None, "cloud-hidden", info, hidden=feats["hidden_in"]))
+        else:
+            q_obs, q_held = _window_and_heldout(split_heads(cloud_prompt.layers["q_unrot"][j], c_heads), cfg.window,
+                                                seed=cfg.seed)
+            layers.append(LayerKV(i, j, split_heads(feats["k_unrot"], c_kv), split_heads(feats["v"], c_kv), q_obs,
+                                  q_held, "cloud-unrotated", info))
+    return layers
+
+
+def cloud_side(cfg: Any, cloud: LoadedModel, edge: LoadedModel, ids: torch.Tensor, pairs: list,
+                mapping_source: str, same: bool, steps: Steps) -> tuple:
+    """The cloud-side KV of the prompt, before encoding (`cfg`: a CompressConfig with its splice resolved)."""
+    timings: dict[str, float] = {}
+    files: dict = {}
+    start = time.perf_counter()
+    translator, extra = None, {}
+    if same:
+        layers = same_model_layers(edge, ids, pairs[0][0], cfg.window, cfg.seed, steps)
+    else:
+        translator, edge_cal = get_translator(cfg, cloud, edge, pairs, calibration(cfg, edge.tokenizer), steps)
+        if cfg.translator_path:  # the saved translator's pairing wins over --mapping
+            pairs = [p for p in translator.pairs() if cfg.start_layer is None or p[0] >= cfg.start_layer]
+            if cfg.splice == "fuse":  # a closed gate takes nothing from the cloud: ship only the open layers
+                pairs = [p for p in pairs if p[0] in translator.open_layers()]
+                if not pairs:
+                    raise EdgeKVError(f"{cfg.translator_path}: every gate of this fuser is closed (fusion did not "
+                                      "help on its held-out texts); the edge alone is the same, with no export")
+            translator.keep_layers(i for i, _ in pairs)
+            mapping_source = f"pairs of translator {cfg.translator_path}"
+        timings["calibration_s"] = time.perf_counter() - start
+        layers = heterogeneous_layers(cloud, edge, ids, translator, edge_cal, cfg, steps)
+        # a fuser's gates run on the edge either way; its maps only where the edge applies them
+        shipped = translator.gates_only() if cfg.splice == "fuse" and cfg.map_on == "cloud" else translator
+        files = translator_files(shipped, cloud.fingerprint, edge.fingerprint)
+        if cfg.map_on == "edge" or cfg.splice == "fuse":
+            extra = files
+    timings["cloud_kv_s"] = time.perf_counter() - start - timings.get("calibration_s", 0.0)
+
+    return CloudSide(translator, pairs, mapping_source, layers, extra, files, timings)

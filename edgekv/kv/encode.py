@@ -1,0 +1,88 @@
+"""One layer of an export encoded: ThinK-pruned keys, quantized keys and values (or the cloud's hidden states),
+with the attention and value errors that encoding costs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from edgekv.kv.codecs import Quantized, dequantize, quantize
+from edgekv.kv.pruning import attention_error, prune_keys, think_scores, think_select
+
+
+@dataclass
+class LayerKV:
+    """What is shipped for one edge layer before encoding: keys/values (heads, tokens, d) and the queries that
+    score key channels (observation window) and measure the pruning error (held out)."""
+
+    edge_layer: int
+    cloud_layer: int
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
+    q_obs: torch.Tensor | None
+    q_heldout: torch.Tensor | None
+    space: str  # "edge" (edge-shaped, rotated), "cloud-unrotated" or "cloud-hidden" (translator on the edge)
+    map_info: dict | None = None
+    hidden: torch.Tensor | None = None  # (tokens, d_cloud) for "cloud-hidden"
+
+
+def _quant_tensors(prefix: str, q: Quantized) -> dict[str, torch.Tensor]:
+    out = {f"{prefix}.data": q.data}
+    if q.scale is not None:
+        out[f"{prefix}.scale"] = q.scale
+    return out
+
+
+def encode_layer(kv: LayerKV, prune_ratio: float, quant: str, keep_recent: int) -> tuple[dict, dict, dict]:
+    """ThinK-prune and quantize one layer → (safetensors tensors, manifest entry, report row)."""
+    if kv.space == "cloud-hidden":
+        return _encode_hidden(kv, quant)
+    keep_recent = min(keep_recent, kv.keys.shape[1])
+    index = think_select(think_scores(kv.q_obs, kv.keys), prune_ratio)
+    pruned = prune_keys(kv.keys.float(), index, keep_recent)
+    kq = quantize(pruned.kept, quant, axis="channel")
+    vq = quantize(kv.values.float(), quant, axis="token")
+    tensors = {**_quant_tensors("key", kq), **_quant_tensors("value", vq)}
+    entry = {
+        "edge_layer": kv.edge_layer, "cloud_layer": kv.cloud_layer, "space": kv.space,
+        "key": {**kq.params(), "head_dim": pruned.head_dim, "kept_channels": index.tolist(), "recent": keep_recent},
+        "value": vq.params(),
+    }
+    if keep_recent:
+        rq = quantize(pruned.recent, quant, axis="channel")
+        tensors.update(_quant_tensors("key_recent", rq))
+        entry["key_recent"] = rq.params()
+    # errors on held-out queries: channel pruning alone, then pruning + quantization of the keys
+    k_hat = dequantize(kq)
+    restored = type(pruned)(k_hat, index, dequantize(rq) if keep_recent else pruned.recent, pruned.head_dim)
+    full = kv.keys.float()
+    group = kv.q_heldout.shape[0] // full.shape[0]
+    logits = kv.q_heldout.double() @ full.double().repeat_interleave(group, 0).transpose(1, 2)
+    logits_hat = kv.q_heldout.double() @ restored.zero_filled().double().repeat_interleave(group, 0).transpose(1, 2)
+    row = {
+        "edge_layer": kv.edge_layer, "cloud_layer": kv.cloud_layer,
+        "kept_channels": int(index.shape[1]), "head_dim": pruned.head_dim,
+        "attn_error_prune": attention_error(kv.q_heldout, full[:, : full.shape[1] - keep_recent], index),
+        "attn_error_total": float((logits - logits_hat).norm() / logits.norm().clamp_min(1e-300)),
+        "value_error": float((dequantize(vq) - kv.values.float()).norm() / kv.values.float().norm().clamp_min(1e-30)),
+        "bytes": kq.nbytes + vq.nbytes + (rq.nbytes if keep_recent else 0),
+        **(kv.map_info or {}),
+    }
+    return tensors, entry, row
+
+
+def _encode_hidden(kv: LayerKV, quant: str) -> tuple[dict, dict, dict]:
+    """Quantize the cloud's hidden states (one scale per token); nothing to prune: there are no keys yet."""
+    hq = quantize(kv.hidden.float(), quant, axis="token")
+    entry = {"edge_layer": kv.edge_layer, "cloud_layer": kv.cloud_layer, "space": kv.space, "hidden": hq.params()}
+    err = float((dequantize(hq) - kv.hidden.float()).norm() / kv.hidden.float().norm().clamp_min(1e-30))
+    row = {"edge_layer": kv.edge_layer, "cloud_layer": kv.cloud_layer, "kept_channels": int(kv.hidden.shape[1]),
+           "head_dim": int(kv.hidden.shape[1]), "attn_error_prune": 0.0, "attn_error_total": None,
+           "value_error": err, "bytes": hq.nbytes, **(kv.map_info or {})}
+    return _quant_tensors("hidden", hq), entry, row
+
+
+def raw_fp16_bytes(tokens: int, kv_heads: int, head_dim: int) -> int:
+    """Bytes of one layer's K and V in fp16."""
+    return 2 * tokens * kv_heads * head_dim * 2

@@ -1,0 +1,47 @@
+"""What the repository holds: no path of the machine it was made on, every report indexed (issue 36)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# written in pieces, so this file does not hold what it looks for
+ROOTS = ["/wo" "rk/", "/ho" "me/[a-z_]", "/ro" "ot/", "/Us" "ers/", "/tmp/bash" "_jobs", r"C:\\Us" "ers"]
+MACHINE_PATH = re.compile(r"(?<![\w.~])(" + "|".join(ROOTS) + ")")
+
+
+def repo_files() -> list[Path]:
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    return [ROOT / p for p in out.splitlines() if (ROOT / p).is_file()]
+
+
+def test_the_checker_sees_a_machine_path():
+    assert MACHINE_PATH.search("written to /wo" "rk/main/runs/x") and MACHINE_PATH.search("/ro" "ot/.cache/y")
+    assert not MACHINE_PATH.search("~/.cache/edgekv and runs/work/x and reports/*/work")
+
+
+def test_no_absolute_machine_path_anywhere_in_the_repo():
+    bad = []
+    for path in repo_files():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue  # binary files (plots, safetensors)
+        bad += [f"{path.relative_to(ROOT)}:{n}" for n, line in enumerate(text.splitlines(), 1)
+                if MACHINE_PATH.search(line)]
+    assert not bad, "\n".join(bad[:20])
+
+
+def test_reports_readme_indexes_every_report():
+    index = (ROOT / "reports" / "README.md").read_text(encoding="utf-8")
+    missing = [p.name for p in sorted((ROOT / "reports").iterdir()) if p.is_dir() and p.name not in index]
+    assert not missing, missing
+
+
+def test_readme_is_read_in_one_sitting_and_holds_the_two_commands():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 450
+    assert readme.count("python3 -m venv .venv") == 2
