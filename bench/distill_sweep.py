@@ -28,8 +28,9 @@ import torch
 
 from edgekv.atomic import write_text_atomic
 from edgekv.attention.prefix_kv import PrefixKV, continuation_nll
-from edgekv.distill.distill_job import DistillConfig, _synthetic, _train
-from edgekv.distill.student import initial_student
+from edgekv.distill.distill_job import DistillConfig
+from edgekv.distill.student import initial_student, train_student
+from edgekv.distill.synthetic import synthetic_set
 from edgekv.eval.datasets import load_requests
 from edgekv.eval.stats import gap_closed, paired_bootstrap
 from edgekv.models.loading import load_model
@@ -88,7 +89,7 @@ def run_prompt(req, cloud, edge, out: Path, done: set, only: set | None, progres
     anchors = {"edgeprompt": reference_nll(edge, own, tok, req),
                "cloud": reference_nll(cloud, PrefixKV.of_model(cloud.model, ids), tok, req)}
     student0, _ = initial_student(edge, ids, ids.numel(), "all")
-    pool, meta = _synthetic(base, cloud, edge, student0, ids, work / "teacher", Steps(progress))
+    pool, meta = synthetic_set(base, cloud, edge, student0, ids, work / "teacher", Steps(progress))
     held, pool = pool[-HELD:], pool[:-HELD]
     rows = []
     for name, change in SETTINGS.items():
@@ -98,14 +99,14 @@ def run_prompt(req, cloud, edge, out: Path, done: set, only: set | None, progres
         train = pool[:cfg.queries]
         if cfg.on_policy:  # the same queries, half of them answered by the student and scored by the teacher
             mixed = replace(base, queries=POOL + HELD, on_policy=cfg.on_policy)
-            both, _ = _synthetic(mixed, cloud, edge, student0, ids, work / "on-policy", Steps(progress))
+            both, _ = synthetic_set(mixed, cloud, edge, student0, ids, work / "on-policy", Steps(progress))
             held_users = {tuple(h.user.tolist()) for h in held}
             train = [s for s in both if tuple(s.user.tolist()) not in held_users][:cfg.queries]
         steps = steps_for(len(train), cfg.batch)
         cfg = replace(cfg, steps=steps)
         start = time.perf_counter()
         student, _ = initial_student(edge, ids, ids.numel(), "all", freeze_first=cfg.freeze_first)
-        log, best = _train(cfg, edge, student, train, held, work / f"train-{name}", Steps(progress))
+        log, best = train_student(cfg, edge, student, train, held, work / f"train-{name}", Steps(progress))
         train_s = time.perf_counter() - start
         nll = reference_nll(edge, student.prefix(), tok, req)
         rows.append({"id": req.id, "dataset": req.dataset, "setting": name, **{k: getattr(cfg, k) for k in BASE},
@@ -153,10 +154,7 @@ def summarise(out: Path) -> dict:
 
 
 def _plots(rows: list[dict], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from edgekv.plots import plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for name in SETTINGS:

@@ -25,10 +25,9 @@ from pathlib import Path
 import torch
 from rich.progress import Progress
 
+from bench.fidelity_harness import context_gain, delta_ci95, evaluate_text, paired_delta, summarize
 from edgekv.align.mapping import MappingParams, build_mapping
-from edgekv.eval.fidelity import context_gain, delta_ci95, evaluate_text, paired_delta, summarize
 from edgekv.kv.registry import TRANSLATORS, load_translator
-from edgekv.kv.training import load_trained
 from edgekv.models.capture import capture
 from edgekv.models.loading import load_model
 from edgekv.plots import interval_plot
@@ -120,7 +119,7 @@ def main() -> None:
     del c_cal, e_cal
     for item in (args.trained.split(",") if args.trained else []):
         name, _, path = item.rpartition("=")
-        translators[name or "trained"] = load_trained(path, cloud.fingerprint, edge.fingerprint)
+        translators[name or "trained"] = load_translator(path, cloud.fingerprint, edge.fingerprint)
     fusers = {}
     for item in (args.fusers.split(",") if args.fusers else []):
         name, _, path = item.partition("=")

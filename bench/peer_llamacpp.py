@@ -92,7 +92,7 @@ def edgekv_worker(a) -> dict:
 
 
 def _gguf(tmp: Path) -> Path:
-    from edgekv.models.loading import DEFAULT_MODELS, assemble_gguf
+    from edgekv.models.packaged import DEFAULT_MODELS, assemble_gguf
 
     return assemble_gguf(DEFAULT_MODELS["default-edge"], tmp)
 

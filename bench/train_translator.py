@@ -18,7 +18,7 @@ import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bench.fidelity import full_depth_pairs
-from edgekv.kv.training import prepare, train
+from bench.translator_training import prepare, train
 from edgekv.kv.translators import HiddenTranslator, TrainedTranslator
 from edgekv.models.capture import capture
 from edgekv.models.loading import load_model

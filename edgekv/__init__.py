@@ -3,7 +3,8 @@
 The package follows the data flow, one folder per stage, lowest first:
 
     text ─▶ models ─▶ attention ─▶ align ─▶ kv ─▶ serve ─▶ distill ─▶ eval
-    (texts.py and the shared helpers: atomic, cluster (Ray), config, progress, plots, summary, this file's EdgeKVError)
+    (texts.py and the shared helpers: atomic, cluster (Ray), config, progress, plots, runtime, summary, this file's
+    EdgeKVError)
 
 - `models/`    loading any model, tokenizer checks, model structure (heads, rotary), per-layer capture
 - `attention/` a prefix's KV as a read-only Cache and request caches over it, relay and fused attention, the
@@ -19,9 +20,9 @@ The package follows the data flow, one folder per stage, lowest first:
                network model and planner, the `edgekv eval` / `plan` jobs
 
 Import direction: a module may import the shared helpers, its own stage and any stage to its left, never one
-to its right (`kv/` knows nothing of `serve/` or `eval/`; `align/` and `kv/` never import `eval/`).
-`tests/test_layout.py` checks it, and that no modules import each other in a circle. `edgekv.similarity` and
-`edgekv.pruning` are re-exports kept for callers outside the project; code inside it imports the stage modules.
+to its right (`kv/` knows nothing of `serve/` or `eval/`; `align/` and `kv/` never import `eval/`). No modules
+import each other in a circle, not even under `if TYPE_CHECKING:`, and a command's job module (`*_job.py`) never
+imports another job: what two commands share is a library module. `tests/test_layout.py` checks all three.
 """
 
 __version__ = "0.1.0"

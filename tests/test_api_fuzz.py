@@ -5,10 +5,11 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 
-from edgekv.serve.openai_api import APISettings, build_app
+from edgekv.serve.api_schema import APISettings
+from edgekv.serve.openai_api import build_app
 from edgekv.serve.pool import ExportPool
 from edgekv.serve.session import EdgeSession
-from tests.conftest import make_export
+from tests.helpers import make_export
 
 KEY = "sk-fuzz"
 

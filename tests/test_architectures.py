@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from edgekv import EdgeKVError
-from tests.conftest import ARTICLE, SYSTEM, USERS, byte_tokenizer, save_model
+from tests.helpers import ARTICLE, SYSTEM, USERS, byte_tokenizer, save_model
 
 runner = CliRunner()
 FAMILIES = ("opt", "opt-post", "llama", "qwen2", "gemma")

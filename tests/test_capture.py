@@ -5,7 +5,7 @@ import torch
 from edgekv.align.similarity import linear_cka
 from edgekv.models.capture import capture
 from edgekv.models.structure import rotary_cos_sin, rotate_keys, unrotate_keys
-from tests.conftest import tiny_opt, tiny_qwen2
+from tests.helpers import tiny_opt, tiny_qwen2
 
 
 def test_shapes_and_selection():

@@ -19,7 +19,7 @@ from edgekv.kv.batch_compress import run_compress_batch
 from edgekv.kv.catalog import Catalog
 from edgekv.kv.compress_job import CompressConfig, run_compress
 from edgekv.kv.export import MANIFEST, KVExport
-from tests.conftest import PROMPT, SYSTEM
+from tests.helpers import PROMPT, SYSTEM
 
 runner = CliRunner()
 PROMPTS = {"assistant": SYSTEM, "background": PROMPT}

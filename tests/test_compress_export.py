@@ -10,10 +10,10 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from edgekv.kv.compress_job import CompressConfig, run_compress
-from edgekv.kv.decode import decode_layer, edge_kv
 from edgekv.kv.export import Expect, KVExport, KVStoreError, tokenizer_fingerprint
+from edgekv.kv.unpack import decode_layer, edge_kv
 from edgekv.models.loading import load_model
-from tests.conftest import PROMPT, byte_tokenizer
+from tests.helpers import PROMPT, byte_tokenizer
 
 runner = CliRunner()
 

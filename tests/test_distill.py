@@ -22,7 +22,7 @@ from edgekv.kv.export import KVExport, KVStoreError
 from edgekv.models.loading import load_model
 from edgekv.serve.sampling import SamplingParams
 from edgekv.serve.session import EdgeSession
-from tests.conftest import PROMPT, make_export
+from tests.helpers import PROMPT, make_export
 
 runner = CliRunner()
 INSTRUCTIONS = ["\nSay what the text above is about.\nAnswer:", "\nContinue the text above.\n"]

@@ -10,7 +10,7 @@ from edgekv.attention.relay import RelayBatch, relay_attention
 from edgekv.serve.requests import EngineBusy, GenRequest
 from edgekv.serve.sampling import SamplingParams
 from edgekv.serve.session import EdgeSession
-from tests.conftest import USERS, make_export
+from tests.helpers import USERS, make_export
 
 PROMPTS = USERS + ["User: a much longer question about caches, layers, heads and the way the edge decodes " * 2,
                    "Hi", "User: 12345"]

@@ -15,7 +15,7 @@ from edgekv.eval.eval_config import EvalConfig
 from edgekv.eval.eval_job import run_eval
 from edgekv.eval.metrics import accuracy, lcs_length, rouge_l, upload_ratio
 from edgekv.eval.runs import read_results
-from tests.conftest import ARTICLE, byte_tokenizer
+from tests.helpers import ARTICLE, byte_tokenizer
 
 runner = CliRunner()
 
@@ -440,7 +440,7 @@ def test_distilled_strategies_run_and_truncate_is_edgeprompt_of_the_head(tiny_mo
     steps = {p.parent.parent.parent.parent.name: json.loads(p.read_text())["distilled"]["steps"]
              for p in (out / "work" / "exports").glob("*/*/prompt/kv/manifest.json")}
     assert steps["ce-lslm-distill-c4s3"] == 3 and steps["ce-lslm-distill-c4"] == 2  # @s<S> overrides the config
-    from edgekv.eval.distill_report import distill_costs
+    from bench.distill_report import distill_costs
 
     costs = distill_costs([out], tmp_path / "report")  # per export, medians over the run's 2 prompts
     assert set(costs) == {f"xsum/{name}" for name in steps} and costs["xsum/ce-lslm-distill"]["n"] == 2
@@ -450,7 +450,7 @@ def test_distilled_strategies_run_and_truncate_is_edgeprompt_of_the_head(tiny_mo
 
 
 def test_distill_summary_pairs_and_gap_closed():
-    from edgekv.eval.distill_report import distill_summary
+    from bench.distill_report import distill_summary
     from edgekv.eval.stats import gap_closed
 
     rows = []

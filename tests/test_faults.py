@@ -22,7 +22,7 @@ from edgekv.kv.batch_compress import run_compress_batch
 from edgekv.kv.catalog import INDEX, Catalog
 from edgekv.kv.compress_job import CompressConfig
 from edgekv.kv.export import MANIFEST, KVExport, KVStoreError
-from tests.conftest import PROMPT, SYSTEM
+from tests.helpers import PROMPT, SYSTEM
 
 runner = CliRunner()
 ENTRY = "entry.json"  # an entry's side record (its name)

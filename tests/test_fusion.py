@@ -13,7 +13,7 @@ from edgekv.kv.translators import HiddenTranslator
 from edgekv.models.capture import capture
 from edgekv.models.loading import load_model
 from edgekv.texts import HeldOutText
-from tests.conftest import PROMPT, byte_tokenizer, save_model, tiny_qwen2
+from tests.helpers import PROMPT, byte_tokenizer, save_model, tiny_qwen2
 
 
 def _qkv(seed, heads=4, kv_heads=2, t=5, s_a=7, s_b=6, d=8):
@@ -160,7 +160,7 @@ def test_residual_fuser_starts_as_the_edge_and_learns(calib_file, tmp_path):
 
 
 def test_fidelity_harness_runs_fusers_and_closed_equals_edge(calib_file, tmp_path):
-    from edgekv.eval.fidelity import evaluate_text
+    from bench.fidelity_harness import evaluate_text
 
     cloud, edge, fuser, texts = _pair(tmp_path, calib_file)
     for b in fuser.gate_bias.values():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from edgekv import EdgeKVError
-from edgekv.align.mapping import STRATEGIES, MappingParams, build_mapping
+from edgekv.align.mapping import MAPPINGS, MappingParams, build_mapping
 
 
 def _matrices(n_cloud=7, n_edge=5, seed=0):
@@ -74,7 +74,7 @@ def test_fixed_strategies():
 
 def test_every_strategy_records_scores():
     m = _matrices()
-    for name in STRATEGIES:
+    for name in MAPPINGS:
         out = build_mapping(name, m, MappingParams(2))
         assert len(out["pairs"]) == 3
         for q in out["pairs"]:

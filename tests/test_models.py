@@ -6,8 +6,9 @@ import sys
 import pytest
 
 from edgekv import EdgeKVError
-from edgekv.models.loading import PackagedGGUF, assemble_gguf, check_tokenizers, load_model, parse_dtype
-from tests.conftest import byte_tokenizer
+from edgekv.models.loading import check_tokenizers, load_model, parse_dtype
+from edgekv.models.packaged import PackagedGGUF, assemble_gguf
+from tests.helpers import byte_tokenizer
 
 
 @pytest.fixture()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from edgekv.models.prepack import PackedLinear, can_prepack, prepack_linears
-from tests.conftest import tiny_qwen2
+from tests.helpers import tiny_qwen2
 
 needs_bf16 = pytest.mark.skipif(not (torch.backends.mkldnn.is_available()
                                      and torch.ops.mkldnn._is_mkldnn_bf16_supported()),

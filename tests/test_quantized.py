@@ -11,7 +11,7 @@ import torch
 
 from edgekv import EdgeKVError
 from edgekv.models import quantized as qz
-from tests.conftest import SYSTEM, USERS, byte_tokenizer, make_export, save_model, tiny_qwen2
+from tests.helpers import SYSTEM, USERS, byte_tokenizer, make_export, save_model, tiny_qwen2
 
 
 def _q4k_block(rng: np.random.Generator) -> bytes:
@@ -104,7 +104,8 @@ def test_the_default_edges_q4k_tensor_loads_exactly_and_computes_as_its_bf16_cop
     of the output scale: the bf16 copy rounds each weight, the kernel rounds scales and zeros to bf16)."""
     import gguf
 
-    from edgekv.models.loading import DEFAULT_MODELS, assemble_gguf, load_model
+    from edgekv.models.loading import load_model
+    from edgekv.models.packaged import DEFAULT_MODELS, assemble_gguf
 
     path = assemble_gguf(DEFAULT_MODELS["default-edge"], tmp_path)
     tensor = next(t for t in gguf.GGUFReader(str(path)).tensors if t.tensor_type == gguf.GGMLQuantizationType.Q4_K)

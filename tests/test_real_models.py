@@ -37,8 +37,8 @@ def test_compress_on_the_default_pair_and_reload(tmp_path):
     import torch
 
     from edgekv.kv.compress_job import CompressConfig, run_compress
-    from edgekv.kv.decode import decode_layer, edge_kv
     from edgekv.kv.export import Expect, KVExport, tokenizer_fingerprint
+    from edgekv.kv.unpack import decode_layer, edge_kv
     from edgekv.models.loading import load_model
 
     out = tmp_path / "kv"

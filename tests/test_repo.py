@@ -45,3 +45,8 @@ def test_readme_is_read_in_one_sitting_and_holds_the_two_commands():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert len(readme.splitlines()) <= 450
     assert readme.count("python3 -m venv .venv") == 2
+
+
+def test_tests_take_fixtures_from_conftest_and_helpers_from_a_module():
+    importing = [p.name for p in (ROOT / "tests").glob("test_*.py") if "tests.conf" "test import" in p.read_text("utf-8")]
+    assert not importing, importing

@@ -3,14 +3,14 @@
 import pytest
 import torch
 
+from bench.fidelity_harness import evaluate_text, summarize
 from edgekv.attention.merge import merge_attention
 from edgekv.attention.prefix_kv import PrefixKV, continuation_logits
-from edgekv.eval.fidelity import evaluate_text, summarize
 from edgekv.kv.translators import HiddenTranslator, RidgeMap, RidgeTranslator, kv_from_hidden
 from edgekv.models.capture import capture
 from edgekv.models.loading import load_model
 from edgekv.texts import HeldOutText
-from tests.conftest import tiny_qwen2
+from tests.helpers import tiny_qwen2
 
 
 def _attention(q, k, v, mask):
@@ -98,7 +98,7 @@ def test_fidelity_harness_on_tiny_pair(tiny_models, calib_file):
 
 
 def test_paired_delta():
-    from edgekv.eval.fidelity import paired_delta
+    from bench.fidelity_harness import paired_delta
 
     rows = [{"text": t, "source": "s", "condition": c, "m": m, "nll": v}
             for t, (e, x) in enumerate([(1.0, 1.5), (3.0, 3.1), (2.0, 2.2)])
@@ -110,7 +110,7 @@ def test_paired_delta():
 
 
 def test_delta_ci95_is_a_t_interval_of_paired_differences():
-    from edgekv.eval.fidelity import delta_ci95
+    from bench.fidelity_harness import delta_ci95
 
     rows = [{"text": t, "source": "s", "condition": c, "m": m, "nll": v}
             for t, (e, x) in enumerate([(1.0, 1.5), (3.0, 3.1), (2.0, 2.2), (2.5, 2.5)])
@@ -125,7 +125,7 @@ def test_delta_ci95_is_a_t_interval_of_paired_differences():
 
 
 def test_context_gain_is_a_difference_in_differences_per_text():
-    from edgekv.eval.fidelity import context_gain
+    from bench.fidelity_harness import context_gain
 
     # per text: edge, no-prefix, cloud, cloud-no-prefix
     nlls = [(2.0, 3.0, 1.5, 2.9), (2.5, 3.0, 2.0, 2.6), (1.0, 2.5, 0.5, 2.2)]

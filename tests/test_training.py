@@ -2,12 +2,12 @@
 
 import torch
 
-from edgekv.kv.training import kl_loss, prepare, train
+from bench.translator_training import kl_loss, prepare, train
 from edgekv.kv.translators import HiddenTranslator, TrainedTranslator
 from edgekv.models.capture import capture
 from edgekv.models.loading import load_model
 from edgekv.texts import HeldOutText
-from tests.conftest import byte_tokenizer, save_model, tiny_qwen2
+from tests.helpers import byte_tokenizer, save_model, tiny_qwen2
 
 
 def _setup(tmp_path, calib_file):

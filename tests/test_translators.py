@@ -9,13 +9,13 @@ from typer.testing import CliRunner
 from cli.main import app
 from edgekv import EdgeKVError
 from edgekv.kv.compress_job import CompressConfig, run_compress
-from edgekv.kv.decode import decode_layer, edge_kv
 from edgekv.kv.export import KVExport, KVStoreError
 from edgekv.kv.registry import TRANSLATORS, load_translator, save_translator
 from edgekv.kv.translators import TrainedTranslator
+from edgekv.kv.unpack import decode_layer, edge_kv
 from edgekv.models.capture import capture
 from edgekv.models.loading import load_model
-from tests.conftest import PROMPT
+from tests.helpers import PROMPT
 
 runner = CliRunner()
 

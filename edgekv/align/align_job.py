@@ -12,22 +12,19 @@ from pathlib import Path
 import torch
 
 from edgekv import EdgeKVError
-from edgekv.align.mapping import STRATEGIES, MappingParams, build_mapping
+from edgekv.align.mapping import MAPPINGS, MappingParams, build_mapping
 from edgekv.align.similarity import cka_matrices, massive_rows, rsa_matrix, subsample_rows
 from edgekv.atomic import staged_dir
 from edgekv.config import (
-    cloud_setting,
     command_config,
     device_map_setting,
-    device_setting,
-    dtype_setting,
-    edge_setting,
     seed_setting,
     setting,
     to_dict,
 )
 from edgekv.models.capture import FEATURES, capture
-from edgekv.models.loading import DTYPES, check_tokenizers, load_model, load_tokenizer, num_layers
+from edgekv.models.loading import check_tokenizers, load_model, load_tokenizer, num_layers
+from edgekv.models.settings import ModelSettings
 from edgekv.plots import similarity_heatmap
 from edgekv.progress import Steps
 from edgekv.texts import TextSource, load_text_file, sharegpt_texts, tokenize
@@ -37,14 +34,10 @@ METRICS = ("linear_cka", "debiased_cka", "rsa")
 
 @command_config("align")
 @dataclass
-class AlignConfig:
+class AlignConfig(ModelSettings):
     """Everything `edgekv align` needs; see configs/default.yaml."""
 
     out: str | None = setting(None, "Output directory (replaced whole, atomically).")
-    cloud: str = cloud_setting()
-    edge: str = edge_setting()
-    dtype: str = dtype_setting()
-    device: str = device_setting()
     device_map: str | None = device_map_setting()
     texts: str | None = setting(None, "Calibration texts (.jsonl or .txt); default: ShareGPT.")
     text_field: str = "text"
@@ -85,12 +78,11 @@ class AlignConfig:
             raise EdgeKVError(f"--rsa-tokens must be ≥ 3, got {self.rsa_tokens}")
         if self.start_layer is not None and self.start_layer < 0:
             raise EdgeKVError(f"--start-layer must be ≥ 0, got {self.start_layer}")
-        if self.strategy not in STRATEGIES:
-            raise EdgeKVError(f"unknown strategy '{self.strategy}' (choose from {', '.join(STRATEGIES)})")
+        if self.strategy not in MAPPINGS:
+            raise EdgeKVError(f"unknown strategy '{self.strategy}' (choose from {', '.join(MAPPINGS)})")
         if self.metric not in METRICS:
             raise EdgeKVError(f"unknown metric '{self.metric}' (choose from {', '.join(METRICS)})")
-        if self.dtype not in DTYPES:
-            raise EdgeKVError(f"unknown dtype '{self.dtype}' (choose from {', '.join(DTYPES)})")
+        self.check_models()
         bad = [f for f in self.features if f not in FEATURES]
         if bad or "hidden" not in self.features:
             raise EdgeKVError(f"--features must include 'hidden' and only {', '.join(FEATURES)}; got {self.features}")

@@ -27,16 +27,16 @@ class MappingParams:
 
 
 Strategy = Callable[[dict[str, torch.Tensor], MappingParams], list[int]]
-STRATEGIES: dict[str, Strategy] = {}
+MAPPINGS: dict[str, Strategy] = {}
 
 
 def register(name: str) -> Callable[[Strategy], Strategy]:
     """Register a strategy under `name`; a duplicate name is a programming error."""
 
     def deco(fn: Strategy) -> Strategy:
-        if name in STRATEGIES:
+        if name in MAPPINGS:
             raise ValueError(f"mapping strategy '{name}' is registered twice")
-        STRATEGIES[name] = fn
+        MAPPINGS[name] = fn
         return fn
 
     return deco
@@ -108,14 +108,14 @@ def dissimilar_strategy(matrices: dict[str, torch.Tensor], p: MappingParams) -> 
 
 def build_mapping(name: str, matrices: dict[str, torch.Tensor], params: MappingParams) -> dict:
     """Run a strategy and return the JSON-ready mapping: chosen pairs with every metric's score."""
-    if name not in STRATEGIES:
-        raise EdgeKVError(f"unknown mapping strategy '{name}' (choose from {', '.join(STRATEGIES)})")
+    if name not in MAPPINGS:
+        raise EdgeKVError(f"unknown mapping strategy '{name}' (choose from {', '.join(MAPPINGS)})")
     if params.metric not in matrices:
         raise EdgeKVError(f"unknown similarity metric '{params.metric}' (choose from {', '.join(matrices)})")
     n_cloud, n_edge = _shape(matrices)
     if not 0 <= params.start_layer < n_edge:
         raise EdgeKVError(f"start layer {params.start_layer} is out of range for an edge model of {n_edge} layers")
-    chosen = STRATEGIES[name](matrices, params)
+    chosen = MAPPINGS[name](matrices, params)
     pairs = [
         {"edge_layer": i, "cloud_layer": j, **{m: round(float(t[j, i]), 6) for m, t in matrices.items()}}
         for i, j in zip(range(params.start_layer, n_edge), chosen)

@@ -17,17 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from edgekv import EdgeKVError
-from edgekv.atomic import write_tensors_atomic, write_text_atomic
+from edgekv.atomic import write_text_atomic
 from edgekv.cluster import run_items
 from edgekv.config import (
-    cloud_setting,
     command_config,
-    device_setting,
-    dtype_setting,
-    edge_setting,
     ray_setting,
     seed_setting,
     setting,
@@ -37,27 +32,22 @@ from edgekv.config import (
 from edgekv.distill.student import (
     RULES,
     Student,
-    held_out_kl,
     initial_student,
-    sample_loss,
     split_samples,
+    train_student,
 )
+from edgekv.distill.synthetic import synthetic_set
 from edgekv.distill.teacher import (
     INSTRUCTION,
     SEED_PROMPTS,
     WRITER,
-    BatchedTeacher,
-    Sample,
-    plan_seeds,
-    student_answers,
-    synthesize,
 )
 from edgekv.kv.catalog import Catalog, export_key
 from edgekv.kv.cloud_kv import same_model_layers
 from edgekv.kv.encode import encode_layer
 from edgekv.kv.export import export_manifest, model_info, token_ids_sha256, write_export
-from edgekv.kv.train_loop import Trainee, example_index, train_loop
-from edgekv.models.loading import DTYPES, LoadedModel, check_tokenizers, load_model
+from edgekv.models.loading import LoadedModel, check_tokenizers, load_model
+from edgekv.models.settings import ModelSettings
 from edgekv.models.structure import context_limit
 from edgekv.plots import loss_curve
 from edgekv.progress import Steps
@@ -83,14 +73,10 @@ V1_RECIPE = dict(queries=8, seeds=["instruction"], max_answer_tokens=40, tempera
 
 @command_config("distill")
 @dataclass
-class DistillConfig:
+class DistillConfig(ModelSettings):
     """Everything `edgekv distill` needs; see configs/distill.yaml."""
 
     out: str = setting("runs/distill", "Output folder, a subfolder per prompt (resumable).")
-    cloud: str = cloud_setting("Cloud model (the teacher).")
-    edge: str = edge_setting("Edge model (the student's).")
-    dtype: str = dtype_setting()
-    device: str = device_setting()
     system_prompt: str | None = setting(None, "One system prompt: TEXT or @FILE.")
     prompts: str | None = setting(None, "JSONL of {\"name\", \"system_prompt\"}, one export each.")
     synthetic_dir: str | None = None  # a root kept apart (<root>/<name>/synthetic.*): runs of one teacher share it
@@ -149,8 +135,7 @@ class DistillConfig:
             raise EdgeKVError("give --length or --compress, not both")
         if (self.length is not None and self.length < 1) or (self.compress is not None and self.compress < 1):
             raise EdgeKVError("--length and --compress must be ≥ 1")
-        if self.dtype not in DTYPES:
-            raise EdgeKVError(f"unknown dtype '{self.dtype}' (choose from {', '.join(DTYPES)})")
+        self.check_models()
         if self.queries < 2 or self.max_answer_tokens < 2 or self.max_query_tokens < 1 or self.steps < 0:
             raise EdgeKVError("distill needs queries ≥ 2, max_answer_tokens ≥ 2, max_query_tokens ≥ 1 and "
                               "steps ≥ 0")
@@ -184,72 +169,6 @@ def student_length(cfg: DistillConfig, n: int) -> int:
     return n if cfg.length is None else cfg.length
 
 
-SYNTHETIC_KEYS = ("queries", "seeds", "seed_prompts", "instructions", "answer_format", "window_tokens",
-                  "max_query_tokens", "query_temperature", "max_answer_tokens", "temperature", "on_policy", "top_k",
-                  "seed")
-
-
-def _synthetic(cfg: DistillConfig, teacher: LoadedModel, edge: LoadedModel, student: Student, ids: torch.Tensor,
-               work: Path, steps: Steps) -> tuple[list[Sample], dict]:
-    """The synthetic set with its targets: read back when this teacher made it before, else made and kept. Its
-    seconds: the teacher's prefill, writing the queries, answering, the student's on-policy answers, the teacher
-    scoring them."""
-    where = Path(cfg.synthetic_dir) / work.name if cfg.synthetic_dir else work
-    where.mkdir(parents=True, exist_ok=True)
-    meta_path, tensor_path = where / "synthetic.json", where / "synthetic.safetensors"
-    key = {"teacher": teacher.fingerprint, **{k: getattr(cfg, k) for k in SYNTHETIC_KEYS},
-           "prompt_sha256": token_ids_sha256(ids.tolist()), "format": 2}
-    if cfg.on_policy:  # the student's samples depend on where it starts
-        key.update(student=edge.fingerprint, length=student.tokens, rule=cfg.rule)
-    if meta_path.exists() and tensor_path.exists():
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        if meta["key"] == key:
-            t = load_file(str(tensor_path))
-            return [Sample(kind, t[f"{n}.user"], t[f"{n}.answer"], t[f"{n}.top_ids"], t[f"{n}.top_logp"], policy)
-                    for n, (kind, policy) in enumerate(zip(meta["seed"], meta["policy"]))], meta
-    seconds: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        seconds[name] = now - clock
-        clock = now
-
-    model = BatchedTeacher.of_prompt(teacher, ids, max_batch=cfg.teacher_batch)
-    lap("prefill_s")
-    plan = plan_seeds(cfg.seeds, cfg.queries)
-    written = sum(p != INSTRUCTION for p in plan)
-    order = torch.randperm(len(plan), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-    theirs = set(order[:round(cfg.on_policy * len(plan))])  # the exchanges whose answer the student samples
-    samples, left = synthesize(model, ids, plan, [n in theirs for n in range(len(plan))], cfg.seed_prompts,
-                               cfg.instructions, cfg.answer_format, cfg.window_tokens, cfg.max_query_tokens,
-                               cfg.query_temperature, cfg.max_answer_tokens, cfg.temperature, cfg.top_k, cfg.seed,
-                               steps.task("teacher writes and answers", len(plan)))
-    lap("teach_s")
-    if left:
-        with torch.no_grad():
-            on = BatchedTeacher(edge, student.prefix(), max_batch=cfg.teacher_batch)
-            drawn = student_answers(on, left, cfg.max_answer_tokens, cfg.temperature, cfg.seed + 1,
-                                    steps.task("student answers", len(left)))
-        lap("student_s")
-        model.score(drawn, cfg.top_k, steps.task("teacher scores", len(drawn)))
-        lap("score_s")
-        samples += drawn
-    if len(samples) < 2:
-        raise EdgeKVError("the teacher answered fewer than 2 queries (every answer was empty)")
-    tensors = {f"{n}.{name}": getattr(s, name).clone().contiguous() for n, s in enumerate(samples)
-               for name in ("user", "answer", "top_ids", "top_logp")}
-    write_tensors_atomic(tensor_path, tensors)
-    meta = {"key": key, "seed": [s.seed for s in samples], "policy": [s.policy for s in samples],
-            "planned": cfg.queries, "written": written, **seconds,
-            "generate_s": sum(seconds.values()) - seconds.get("score_s", 0.0), "targets_s": seconds.get("score_s", 0.0),
-            "supervised_tokens": int(sum(s.answer.numel() for s in samples)),
-            "query_tokens": int(sum(s.user.numel() for s in samples))}
-    write_text_atomic(meta_path, json.dumps(meta))
-    return samples, meta
-
-
 def distill_one(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, name: str, prompt: str,
                 steps: Steps) -> dict:
     """Distil one system prompt into `out/name/kv`; resumes; returns its report."""
@@ -275,10 +194,10 @@ def distill_one(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, nam
         raise EdgeKVError(f"{name}: --length {keep} is beyond the system prompt's {ids.numel()} tokens")
     work.mkdir(parents=True, exist_ok=True)
     student, index = initial_student(edge, ids, keep, cfg.rule, cfg.param, cfg.rank, cfg.seed, cfg.freeze_first)
-    samples, meta = _synthetic(cfg, teacher, edge, student, ids, work, steps)
+    samples, meta = synthetic_set(cfg, teacher, edge, student, ids, work, steps)
     train, held = split_samples(samples, cfg.held_out, cfg.seed)
     start = time.perf_counter()
-    log_, best = _train(cfg, edge, student, train, held, work / "train", steps)
+    log_, best = train_student(cfg, edge, student, train, held, work / "train", steps)
     train_s = time.perf_counter() - start  # this call's share: a resumed run counts only what it added
     report = _export(cfg, edge, teacher, student, ids, index, work, {
         "teacher": cfg.teacher, "teacher_fingerprint": teacher.fingerprint, "length": keep, "rule": cfg.rule,
@@ -296,51 +215,6 @@ def distill_one(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, nam
         loss_curve(log_, work / "loss_curve.png", f"{name}: distill (teacher {cfg.teacher}, P'={keep})")
     write_text_atomic(work / "report.json", json.dumps(report, indent=1))
     return report
-
-
-def _train(cfg: DistillConfig, edge: LoadedModel, student: Student, train: list[Sample], held: list[Sample],
-           checkpoint: Path, steps: Steps) -> tuple[list[dict], dict]:
-    """train_loop on the student, held-out KL every `eval_every` steps; the best held-out state is kept (in the
-    checkpoint, so a resumed run knows it) and restored at the end; stops after `patience` evaluations without
-    improvement."""
-    best_path = checkpoint / "best.safetensors"
-    best = {"step": 0, "kl": float("inf")}
-    if best_path.exists() and (checkpoint / "best.json").exists():
-        best = json.loads((checkpoint / "best.json").read_text(encoding="utf-8"))
-    snapshot: dict[str, torch.Tensor] = {}
-
-    def evaluate(step: int) -> dict:
-        kl = held_out_kl(edge, student, held)
-        if kl < best["kl"]:
-            best.update(step=step, kl=kl)
-            snapshot.clear()
-            snapshot.update({n: t.detach().clone() for n, t in student.tensors.items()})
-        return {"kl": kl}
-
-    def save(path: Path) -> None:
-        if snapshot:
-            write_tensors_atomic(best_path, snapshot)
-            write_text_atomic(path / "best.json", json.dumps(best))
-
-    def loss(step: int) -> torch.Tensor:
-        prefix = student.prefix()
-        picks = [train[example_index(step * cfg.batch + j, len(train), cfg.seed)] for j in range(cfg.batch)]
-        return sum(sample_loss(edge, prefix, s, cfg.query_loss) for s in picks) / cfg.batch
-
-    trainee = Trainee([{"params": student.parameters()}], loss, save=save, evaluate=evaluate, frozen=[edge.model])
-    stop = lambda step: step - best["step"] >= cfg.patience * cfg.eval_every  # noqa: E731
-    log_ = []
-    if cfg.steps:
-        log_ = train_loop(trainee, cfg.steps, cfg.lr, checkpoint, cfg.eval_every,
-                          steps.task("train the student", cfg.steps), stop)
-    if not snapshot and best_path.exists():
-        snapshot.update(load_file(str(best_path)))
-    with torch.no_grad():
-        for n, t in snapshot.items():
-            student.tensors[n].copy_(t)
-    if best["kl"] == float("inf"):
-        best["kl"] = held_out_kl(edge, student, held)
-    return log_, best
 
 
 def _export(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, student: Student, ids: torch.Tensor,

@@ -1,20 +1,28 @@
 """The student of a distillation: an edge-shaped prefix KV of P' tokens that the edge reads, trained so the edge
 predicts what the teacher predicts (Cartridges, Eyuboglu et al. 2025). It starts at the edge's own prefill (of the
 whole prompt when P' = P, else of P' tokens chosen by `select_tokens`), learns by the exact top-k + tail KL of
-`fuser_training.topk_kl` with every model weight frozen, and ships as an ordinary EdgePrompt-format export
+`models.targets.topk_kl` with every model weight frozen, and ships as an ordinary EdgePrompt-format export
 (`distill_job.py`). At step 0 with P' = P the student *is* the edge's own prefill: EdgePrompt exactly. The first
 `freeze_first` tokens (the attention sink) can be kept at their initial KV, as Cartridges does.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 import torch
+from safetensors.torch import load_file
 
 from edgekv import EdgeKVError
+from edgekv.atomic import write_tensors_atomic, write_text_atomic
 from edgekv.attention.prefix_kv import PrefixKV, continuation_logits, prefix_kv
 from edgekv.distill.teacher import Sample
-from edgekv.kv.fuser_training import topk_kl
+from edgekv.kv.train_loop import Trainee, example_index, train_loop
 from edgekv.models.loading import LoadedModel
+from edgekv.models.targets import topk_kl
+from edgekv.progress import Steps
 
 RULES = ("first", "even", "all")
 
@@ -127,3 +135,48 @@ def split_samples(samples: list[Sample], held_out: float, seed: int) -> tuple[li
     n_held = min(max(1, round(held_out * len(samples))), len(samples) - 1) if len(samples) > 1 else 0
     held = sorted(order[:n_held])
     return [samples[i] for i in sorted(order[n_held:])], [samples[i] for i in held]
+
+
+def train_student(cfg: Any, edge: LoadedModel, student: Student, train: list[Sample], held: list[Sample],
+                  checkpoint: Path, steps: Steps) -> tuple[list[dict], dict]:
+    """train_loop on the student (`cfg`: a DistillConfig), held-out KL every `eval_every` steps; the best held-out
+    state is kept (in the checkpoint, so a resumed run knows it) and restored at the end; stops after `patience`
+    evaluations without improvement."""
+    best_path = checkpoint / "best.safetensors"
+    best = {"step": 0, "kl": float("inf")}
+    if best_path.exists() and (checkpoint / "best.json").exists():
+        best = json.loads((checkpoint / "best.json").read_text(encoding="utf-8"))
+    snapshot: dict[str, torch.Tensor] = {}
+
+    def evaluate(step: int) -> dict:
+        kl = held_out_kl(edge, student, held)
+        if kl < best["kl"]:
+            best.update(step=step, kl=kl)
+            snapshot.clear()
+            snapshot.update({n: t.detach().clone() for n, t in student.tensors.items()})
+        return {"kl": kl}
+
+    def save(path: Path) -> None:
+        if snapshot:
+            write_tensors_atomic(best_path, snapshot)
+            write_text_atomic(path / "best.json", json.dumps(best))
+
+    def loss(step: int) -> torch.Tensor:
+        prefix = student.prefix()
+        picks = [train[example_index(step * cfg.batch + j, len(train), cfg.seed)] for j in range(cfg.batch)]
+        return sum(sample_loss(edge, prefix, s, cfg.query_loss) for s in picks) / cfg.batch
+
+    trainee = Trainee([{"params": student.parameters()}], loss, save=save, evaluate=evaluate, frozen=[edge.model])
+    stop = lambda step: step - best["step"] >= cfg.patience * cfg.eval_every  # noqa: E731
+    log_ = []
+    if cfg.steps:
+        log_ = train_loop(trainee, cfg.steps, cfg.lr, checkpoint, cfg.eval_every,
+                          steps.task("train the student", cfg.steps), stop)
+    if not snapshot and best_path.exists():
+        snapshot.update(load_file(str(best_path)))
+    with torch.no_grad():
+        for n, t in snapshot.items():
+            student.tensors[n].copy_(t)
+    if best["kl"] == float("inf"):
+        best["kl"] = held_out_kl(edge, student, held)
+    return log_, best

@@ -7,11 +7,7 @@ from dataclasses import dataclass
 
 from edgekv import EdgeKVError
 from edgekv.config import (
-    cloud_setting,
     command_config,
-    device_setting,
-    dtype_setting,
-    edge_setting,
     ray_setting,
     seed_setting,
     setting,
@@ -22,20 +18,16 @@ from edgekv.eval.datasets import DATASETS, TRUNCATIONS, Request, load_requests
 from edgekv.eval.runs import parse_shard
 from edgekv.eval.strategies import parse_strategy
 from edgekv.kv.registry import TRANSLATORS
-from edgekv.models.loading import DTYPES
+from edgekv.models.settings import ModelSettings
 from edgekv.serve.pipeline import Link
 
 
 @command_config("eval")
 @dataclass
-class EvalConfig:
+class EvalConfig(ModelSettings):
     """Everything `edgekv eval` needs; see configs/eval/*.yaml."""
 
     out: str = setting("runs/eval-default", "Report directory (resumes from its results.jsonl).")
-    cloud: str = cloud_setting("Cloud model: alias, hub id, directory or .gguf.")
-    edge: str = edge_setting("Edge model.")
-    dtype: str = dtype_setting()
-    device: str = device_setting()
     ray: str | None = ray_setting(
         "Run on Ray: 'local' starts one here, 'auto' or an address joins a cluster; the requests split into "
         "--workers shards.")
@@ -105,8 +97,7 @@ class EvalConfig:
             raise EdgeKVError("--dataset and --strategies must name at least one each")
         if self.limit < 1 or self.max_new_tokens < 1 or self.reference_tokens < 1:
             raise EdgeKVError("--limit, max_new_tokens and reference_tokens must be ≥ 1")
-        if self.dtype not in DTYPES:
-            raise EdgeKVError(f"unknown dtype '{self.dtype}' (choose from {', '.join(DTYPES)})")
+        self.check_models()
         Link(self.bandwidth_mbps, self.latency_ms)
         if any(r <= 0 for r in self.load_rates) or self.load_seconds <= 0:
             raise EdgeKVError("load_rates and load_seconds must be > 0")

@@ -38,7 +38,7 @@ from edgekv.eval.quality_per_byte import qpb_table, quality_per_byte
 from edgekv.eval.runs import read_results, rewrite_report
 from edgekv.eval.stats import paired_to_edge
 from edgekv.eval.strategies import parse_strategy
-from edgekv.plots import save_figure
+from edgekv.plots import plt, save_figure
 from edgekv.progress import Steps
 from edgekv.serve.pipeline import Link
 
@@ -247,10 +247,6 @@ def plan_markdown(result: dict) -> str:
 def plot_sweep(sweep: list[dict], profile: Profile, strategies: dict[str, Candidate], cfg: PlanConfig,
                path: Path) -> None:
     """Measured points and predicted lines of cold TTFT against bandwidth, one colour per strategy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
     fig, ax = plt.subplots(figsize=(7, 4.5))

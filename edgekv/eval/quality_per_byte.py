@@ -10,7 +10,7 @@ from pathlib import Path
 from edgekv.eval.network import pareto
 from edgekv.eval.stats import paired_to_edge
 from edgekv.eval.strategies import parse_strategy
-from edgekv.plots import save_figure
+from edgekv.plots import plt, save_figure
 from edgekv.summary import mean
 
 # The compass goal of issue 14: ≥ 8× fewer bytes than the cloud's fp16 KV at ≤ 1 BERTScore point and ≤ 0.02 nats.
@@ -85,11 +85,6 @@ def qpb_table(rows: list[dict]) -> str:
 
 def plot_pareto(rows: list[dict], path: Path) -> None:
     """Δ reference NLL vs MB sent, one panel per dataset, a marker per variant, the Pareto front per family."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     fig, axes = plt.subplots(1, len(datasets), figsize=(5.5 * len(datasets), 4.2), squeeze=False)
     markers = {"fp16": "o", "bf16": "o", "int8": "s", "int4": "^", "fp32": "D"}

@@ -10,7 +10,7 @@ from pathlib import Path
 from edgekv.atomic import write_text_atomic
 from edgekv.eval.quality_per_byte import GOAL, plot_pareto, qpb_table, quality_per_byte
 from edgekv.eval.stats import bootstrap_ci, cell_seed, paired_to_edge
-from edgekv.plots import save_figure
+from edgekv.plots import plt, save_figure
 from edgekv.summary import mean, median
 
 # Cells with a 95 % bootstrap interval: (column, row key, statistic). Quality and latency; the rest are costs that
@@ -89,11 +89,6 @@ def table_ii(summary: list[dict]) -> str:
 
 def plot_latency(summary: list[dict], rows: list[dict], path: Path) -> None:
     """TTFT per request (box per strategy), one panel per dataset."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     datasets = list(dict.fromkeys(s["dataset"] for s in summary))
     strategies = list(dict.fromkeys(s["strategy"] for s in summary))
     fig, axes = plt.subplots(1, len(datasets), figsize=(4.5 * len(datasets), 3.6), squeeze=False)
@@ -108,11 +103,6 @@ def plot_latency(summary: list[dict], rows: list[dict], path: Path) -> None:
 
 def plot_load(load: list[dict], path: Path) -> None:
     """Average and normalized latency vs request rate, one line per strategy (the paper's Fig. 7)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
     for strategy in dict.fromkeys(r["strategy"] for r in load):
         pts = [r for r in load if r["strategy"] == strategy and r["latency_mean_s"] is not None]

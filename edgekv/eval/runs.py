@@ -84,7 +84,7 @@ def merge_runs(dirs: list[Path], out: Path) -> dict:
     `--dataset` lists) into one report in `out`; refuses runs made with other settings, a missing or repeated
     shard, overlapping datasets, or rows seen twice."""
     if not dirs:
-        raise EdgeKVError("--merge needs at least one run directory")
+        raise EdgeKVError("`edgekv report` needs at least one run directory")
     configs = []
     for d in dirs:
         try:

@@ -13,7 +13,8 @@ from edgekv.config import to_dict
 from edgekv.kv.catalog import Catalog, export_key
 from edgekv.kv.compress_job import CompressConfig, run_compress
 from edgekv.kv.export import token_ids_sha256
-from edgekv.models.loading import check_tokenizers, files_sha256, load_pair
+from edgekv.models.loading import check_tokenizers, load_pair
+from edgekv.models.packaged import files_sha256
 from edgekv.progress import Steps
 from edgekv.texts import read_prompts
 

@@ -85,10 +85,3 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor
     if tuple(values.shape) != q.shape:
         raise EdgeKVError(f"quantized data has shape {tuple(values.shape)}, expected {q.shape}")
     return (values * q.scale.to(torch.float32)).to(dtype)
-
-
-def roundtrip_error(x: torch.Tensor, scheme: str, axis: str) -> dict[str, float]:
-    """Max-abs and relative Frobenius error of encode → decode."""
-    back = dequantize(quantize(x, scheme, axis))
-    diff = back - x.to(torch.float32)
-    return {"max_abs": float(diff.abs().max()), "rel_fro": float(diff.norm() / x.float().norm().clamp_min(1e-30))}

@@ -1,9 +1,11 @@
 """`edgekv compress`: the cloud's system-prompt KV, mapped, ThinK-pruned and quantized, as a KV export.
 
 Two regimes (DESIGN.md §1). Same model: the export holds the model's own KV of layers m..L-1, exact up to
-pruning/quantization. Heterogeneous: each edge layer i ≥ m takes the KV of its matched cloud layer j, through
-ridge maps fitted on calibration texts (un-rotated keys; the edge's rotary re-applied at the target positions),
-applied on the cloud (ship edge-shaped KV) or on the edge (ship pruned cloud KV + the maps).
+pruning/quantization. Heterogeneous: each edge layer i ≥ m takes the KV of its matched cloud layer j through a
+translator (ridge, hidden or trained, fitted on calibration texts or loaded; `kv/cloud_kv.py`), applied on the
+cloud (ship edge-shaped KV) or on the edge (ship what it reads + the translator); with `--splice fuse` a trained
+fuser's open layers ship beside the edge's own KV. Each layer is then encoded (`kv/encode.py`) and written with
+its manifest (`kv/export.py`).
 """
 
 from __future__ import annotations
@@ -19,12 +21,8 @@ from edgekv import EdgeKVError
 from edgekv.align.mapping import layer_pairs
 from edgekv.atomic import write_text_atomic
 from edgekv.config import (
-    cloud_setting,
     command_config,
     device_map_setting,
-    device_setting,
-    dtype_setting,
-    edge_setting,
     ray_setting,
     seed_setting,
     setting,
@@ -44,7 +42,8 @@ from edgekv.kv.registry import (
     is_fuser,
 )
 from edgekv.models.capture import check_kv_reconstruction
-from edgekv.models.loading import DTYPES, LoadedModel, check_tokenizers, load_pair, same_model
+from edgekv.models.loading import LoadedModel, check_tokenizers, load_pair, same_model
+from edgekv.models.settings import ModelSettings
 from edgekv.models.structure import (
     check_context,
 )
@@ -55,14 +54,10 @@ from edgekv.texts import read_system_prompt
 
 @command_config("compress")
 @dataclass
-class CompressConfig:
+class CompressConfig(ModelSettings):
     """Everything `edgekv compress` needs; see configs/default.yaml."""
 
     out: str | None = setting(None, "Export directory (or .tar with --tar), written atomically.")
-    cloud: str = cloud_setting("Cloud model: alias, hub id, directory or .gguf.")
-    edge: str = edge_setting("Edge model; equal to --cloud gives an exact same-model export.")
-    dtype: str = dtype_setting()
-    device: str = device_setting()
     weights: str = weights_setting()
     device_map: str | None = device_map_setting()
     system_prompt: str | None = setting(None, "The system prompt: TEXT or @FILE.")
@@ -135,8 +130,7 @@ class CompressConfig:
             raise EdgeKVError(f"--translator {self.translator} is a fuser: use it with --splice fuse")
         if self.local_sink_tokens < 0:
             raise EdgeKVError(f"--local-sink-tokens must be ≥ 0, got {self.local_sink_tokens}")
-        if self.dtype not in DTYPES:
-            raise EdgeKVError(f"unknown dtype '{self.dtype}' (choose from {', '.join(DTYPES)})")
+        self.check_models()
         if self.calib_texts < 3 or self.calib_tokens < 2:
             raise EdgeKVError("--calib-texts must be ≥ 3 and --calib-tokens ≥ 2 (maps need train/validation/test)")
         if self.start_layer is not None and self.start_layer < 0:

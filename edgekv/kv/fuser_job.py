@@ -24,11 +24,7 @@ from edgekv import EdgeKVError
 from edgekv.align.mapping import layer_pairs
 from edgekv.atomic import write_text_atomic
 from edgekv.config import (
-    cloud_setting,
     command_config,
-    device_setting,
-    dtype_setting,
-    edge_setting,
     seed_setting,
     setting,
     to_dict,
@@ -37,7 +33,8 @@ from edgekv.kv.fuser_training import choose_gates, prepare, train
 from edgekv.kv.registry import TRANSLATORS, save_translator
 from edgekv.kv.translators import HiddenTranslator
 from edgekv.models.capture import capture
-from edgekv.models.loading import DTYPES, check_tokenizers, load_model
+from edgekv.models.loading import check_tokenizers, load_model
+from edgekv.models.settings import ModelSettings
 from edgekv.plots import loss_curve
 from edgekv.progress import Steps
 from edgekv.texts import (
@@ -56,14 +53,10 @@ DEFAULT_LR = {"fuse-bias": 0.05, "fuse-residual": 1e-3}
 
 @command_config("train_fuser")
 @dataclass
-class TrainFuserConfig:
+class TrainFuserConfig(ModelSettings):
     """Everything `edgekv train-fuser` needs; see configs/train_fuser.yaml."""
 
     out: str = setting("runs/fuser-m12", "Output directory (resumes from its checkpoint).")
-    cloud: str = cloud_setting("Cloud model.")
-    edge: str = edge_setting("Edge model.")
-    dtype: str = dtype_setting()
-    device: str = device_setting()
     gate: str = setting("fuse-bias", "fuse-bias or fuse-residual.")
     self_fuse: bool = setting(
         False, "Train edge → edge (the adapter-only control).", toggle="--self-fuse/--no-self-fuse")
@@ -100,8 +93,7 @@ class TrainFuserConfig:
             raise EdgeKVError(f"unknown --gate '{self.gate}' (choose from {', '.join(GATES)})")
         if self.strategy not in ("uniform", "last-aligned"):
             raise EdgeKVError(f"--strategy must be uniform or last-aligned, got '{self.strategy}'")
-        if self.dtype not in DTYPES:
-            raise EdgeKVError(f"unknown dtype '{self.dtype}' (choose from {', '.join(DTYPES)})")
+        self.check_models()
         if self.xsum_texts < 0 or self.xsum_offset < 0:
             raise EdgeKVError("xsum_texts and xsum_offset must be ≥ 0")
         if min(self.train_texts, self.gate_texts, self.steps, self.eval_every, self.top_k, self.rank) < 1:

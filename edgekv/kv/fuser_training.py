@@ -33,6 +33,7 @@ from edgekv.kv.train_loop import Trainee, example_index, train_loop
 from edgekv.kv.translators import HiddenTranslator
 from edgekv.models.capture import capture
 from edgekv.models.structure import KVPair
+from edgekv.models.targets import top_targets, topk_kl
 from edgekv.summary import bootstrap_ci
 from edgekv.texts import HeldOutText
 
@@ -91,7 +92,7 @@ def _features(edge, source, text: HeldOutText, fuser: Fuser, top_k: int | None,
     own = prefix_kv(edge.model, text.prefix)
     out = {"prefix": text.prefix, "continuation": text.continuation}
     if top_k:
-        out["top_logp"], out["top_ids"] = torch.log_softmax(seen[0].float(), -1).topk(top_k, dim=-1)
+        out["top_logp"], out["top_ids"] = top_targets(seen[0], top_k)
     for i, (k, v) in enumerate(own):
         out[f"own.{i}.k"], out[f"own.{i}.v"] = k[0], v[0]
     if raw:
@@ -109,7 +110,7 @@ def _targets(teacher, text: HeldOutText, top_k: int) -> dict[str, torch.Tensor]:
     """The teacher's top-k log-probs predicting continuation tokens 1..C−1."""
     full = torch.cat([text.prefix, text.continuation])
     logits = teacher.model(full[None]).logits[0, text.prefix.numel():-1]
-    top_logp, top_ids = torch.log_softmax(logits.float(), -1).topk(top_k, dim=-1)
+    top_logp, top_ids = top_targets(logits, top_k)
     return {"top_ids": top_ids, "top_logp": top_logp}
 
 
@@ -171,16 +172,6 @@ def fused_logits(edge, fuser: Fuser, ex: FuseExample, layers: list[int] | None =
     layers = fuser.open_layers() if layers is None else layers
     return fused_continuation(edge, fuser, ex.own, ex.cloud_kv(edge, fuser, layers), ex.prefix.numel(),
                               ex.continuation, layers)
-
-
-def topk_kl(logits: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor) -> torch.Tensor:
-    """Mean over positions of KL(cloud ‖ edge) over the outcomes {each of the cloud's top-k ids, the rest}."""
-    logq = torch.log_softmax(logits.float(), -1)
-    q_top = logq.gather(-1, top_ids)
-    q_rest = torch.logsumexp(logq.scatter(-1, top_ids, float("-inf")), -1)
-    p_rest_mass = (1 - top_logp.exp().sum(-1)).clamp_min(1e-12)
-    kl = (top_logp.exp() * (top_logp - q_top)).sum(-1) + p_rest_mass * (p_rest_mass.log() - q_rest)
-    return kl.mean()
 
 
 def nll(logits: torch.Tensor, ex: FuseExample) -> torch.Tensor:

@@ -1,7 +1,10 @@
-"""Cross-model KV maps (DESIGN.md §3): per mapped layer pair, K_edge ≈ K_cloud·W + b and V_edge ≈ V_cloud·W + b.
+"""Cross-model KV translators (DESIGN.md §3), one class each behind the `Translator` interface: `ridge` (per
+mapped layer pair, K_edge ≈ K_cloud·W + b on un-rotated keys and V likewise), `hidden` (a ridge map of the cloud
+layer's input hidden state, then the edge's own projections and rotary make K and V) and `trained` (hidden's maps
+tuned end to end by `bench/translator_training.py`).
 
-Closed-form ridge regression in float64 on calibration tokens both models saw. The ridge strength is chosen on
-a validation split of texts and the reported R² comes from a separate test split, so it is held out twice over.
+The ridge maps are closed-form in float64 on calibration tokens both models saw. The ridge strength is chosen on a
+validation split of texts and the reported R² comes from a separate test split, so it is held out twice over.
 """
 
 from __future__ import annotations
@@ -222,7 +225,7 @@ class HiddenTranslator(Translator):
 
 @register_translator("trained")
 class TrainedTranslator(HiddenTranslator):
-    """The `hidden` translator's maps, trained end to end through the frozen edge model (see training.py):
+    """The `hidden` translator's maps, trained end to end through the frozen edge model (bench/translator_training.py):
     the same forward as `hidden`, with weights that minimise the KL of the edge's next-token distribution."""
 
     @classmethod

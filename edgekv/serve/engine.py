@@ -28,20 +28,22 @@ from edgekv.attention.fuse import enable_fusion
 from edgekv.attention.prefix_kv import PrefixKV
 from edgekv.attention.relay import RelayBatch, relay_cache
 from edgekv.models.structure import attn_shape, check_context, model_device
+from edgekv.models.targets import top_targets
 from edgekv.runtime import trim_heap
 from edgekv.serve.requests import EngineBusy, GenRequest, Result, Sequence, add_token, prompt_infos, result_of
-from edgekv.serve.sampling import pick_token, top_rows
+from edgekv.serve.sampling import pick_token
 
 log = logging.getLogger("edgekv")
 TRIM_EVERY = 128  # steps between returning freed heap pages to the OS
+MAX_BATCH, MAX_QUEUE = 32, 256  # requests decoded together per step; requests in flight (serve-edge's defaults)
 
 
 class Engine:
     """Owns a model on one thread and decodes every request over one shared system KV; `submit` queues a
     request, `cancel` drops one. `eos_ids` is read per token (a caller may change the set it passed)."""
 
-    def __init__(self, model, tokenizer, system: PrefixKV, eos_ids: set[int], max_batch: int = 32,
-                 max_queue: int = 256, max_step_tokens: int = 512, background: bool = True, relay: bool = True):
+    def __init__(self, model, tokenizer, system: PrefixKV, eos_ids: set[int], max_batch: int = MAX_BATCH,
+                 max_queue: int = MAX_QUEUE, max_step_tokens: int = 512, background: bool = True, relay: bool = True):
         """`relay=False` (one request at a time, `max_batch=1`): each step attends over the request's own cache of the
         system KV (`PrefixKV.request_cache`: one softmax over [system; own], stock SDPA numerics) instead of
         relay attention's two merged segments — the numbers a plain transformers forward gives, which
@@ -268,7 +270,7 @@ class Engine:
             seq.layer_wait += waited[0]
             self.stats["prompt_tokens"] += n
             if all_rows and seq.req.score_top_k is not None:
-                seq.top.append(top_rows(mine, seq.req.score_top_k))
+                seq.top.append(top_targets(mine, seq.req.score_top_k))
             if all_rows and seq.req.echo:
                 seq.prompt_logits.append(mine)
             seq.pending = seq.pending[n:] if n < seq.pending.numel() else None

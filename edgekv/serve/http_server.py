@@ -13,8 +13,9 @@ import threading
 
 import uvicorn
 
-from edgekv.serve.engine import Engine
-from edgekv.serve.openai_api import APISettings, build_app
+from edgekv.serve.api_schema import APISettings
+from edgekv.serve.engine import MAX_BATCH, MAX_QUEUE, Engine
+from edgekv.serve.openai_api import build_app
 from edgekv.serve.pool import ExportPool, export_id
 from edgekv.serve.sampling import SamplingParams
 from edgekv.serve.session import EdgeSession
@@ -34,7 +35,8 @@ class EdgeServer:
 
     def __init__(self, session: EdgeSession | ExportPool, host: str = "127.0.0.1", port: int = 8000,
                  max_body: int = 1 << 20, max_tokens_limit: int = 512, defaults: SamplingParams | None = None,
-                 api_key: str | None = None, max_batch: int = 32, max_queue: int = 256, name: str | None = None):
+                 api_key: str | None = None, max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
+                 name: str | None = None):
         if isinstance(session, ExportPool):
             self.pool, self.session = session, None
         else:

@@ -19,9 +19,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from edgekv import EdgeKVError
-from edgekv.kv.decode import decode_tensors, edge_kv
 from edgekv.kv.export import KVExport
 from edgekv.kv.registry import TRANSLATOR_CONFIG, TRANSLATOR_TENSORS, translator_from_files
+from edgekv.kv.unpack import decode_tensors, edge_kv
 from edgekv.models.structure import KVPair
 
 log = logging.getLogger("edgekv")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from edgekv import EdgeKVError
 from edgekv.runtime import on_fresh_thread
-from edgekv.serve.engine import Engine
+from edgekv.serve.engine import MAX_BATCH, MAX_QUEUE, Engine
 from edgekv.serve.session import EdgeSession
 
 
@@ -49,7 +49,7 @@ class ExportPool:
     """Engines by model id; `get` loads, `evict` keeps the loaded system KV within `max_kv_bytes`."""
 
     def __init__(self, open_session: Callable[[str], EdgeSession], sources: dict[str, str],
-                 max_kv_bytes: int | None = None, max_batch: int = 32, max_queue: int = 256,
+                 max_kv_bytes: int | None = None, max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE,
                  aliases: dict[str, str] | None = None):
         self.open_session, self.max_kv_bytes = open_session, max_kv_bytes
         self.aliases = aliases or {}  # other names of a model id (a catalog entry's key and prompt hash)
@@ -59,7 +59,7 @@ class ExportPool:
         self.stats = {"loads": 0, "unloads": 0}
 
     @classmethod
-    def of_session(cls, model_id: str, session: EdgeSession, max_batch: int = 32, max_queue: int = 256
+    def of_session(cls, model_id: str, session: EdgeSession, max_batch: int = MAX_BATCH, max_queue: int = MAX_QUEUE
                    ) -> ExportPool:
         """A pool of one session already open."""
         pool = cls(lambda s: session, {}, None, max_batch, max_queue)

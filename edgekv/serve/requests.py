@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import torch
 
 from edgekv import EdgeKVError
-from edgekv.serve.sampling import SamplingParams, top_alternatives, top_rows
+from edgekv.models.targets import top_targets
+from edgekv.serve.sampling import SamplingParams, top_alternatives
 
 
 class EngineBusy(EdgeKVError):
@@ -106,7 +107,7 @@ def add_token(seq: Sequence, token: int, logits: torch.Tensor, tokenizer) -> str
         top = top_alternatives(lp, seq.req.logprobs)
     seq.tokens.append(token)
     if seq.req.score_top_k is not None and len(seq.tokens) > 1:  # the first token's row is the prompt's last
-        seq.top.append(top_rows(logits[None], seq.req.score_top_k))
+        seq.top.append(top_targets(logits[None], seq.req.score_top_k))
     seq.infos.append(TokenInfo(token, tokenizer.decode([token]), logp, top))
     seq.next_input = token
     text = tokenizer.decode(seq.tokens, skip_special_tokens=True)

@@ -1,4 +1,4 @@
-"""How the engine picks tokens: sampling settings, greedy or temperature + top-p with one seeded draw, top-k rows."""
+"""How the engine picks tokens: sampling settings, greedy or temperature + top-p with one seeded draw."""
 
 from __future__ import annotations
 
@@ -51,11 +51,6 @@ def pick_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     cdf = probs.cumsum(0)
     u = torch.rand((), generator=generator) * cdf[-1]
     return int(torch.searchsorted(cdf, u[None], right=True).clamp(max=probs.numel() - 1))
-
-
-def top_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probs, ids) of the k most likely tokens of each row (float32 log-softmax)."""
-    return torch.log_softmax(logits.float(), -1).topk(k, dim=-1)
 
 
 def top_alternatives(logp: torch.Tensor, k: int) -> dict[int, float]:

@@ -20,6 +20,7 @@ from edgekv.kv.catalog import Catalog
 from edgekv.models.loading import DTYPES, load_model
 from edgekv.models.prepack import prepack_linears
 from edgekv.runtime import limit_onednn_cache, on_fresh_thread
+from edgekv.serve.engine import MAX_BATCH, MAX_QUEUE
 from edgekv.serve.http_server import EdgeServer
 from edgekv.serve.pipeline import Link
 from edgekv.serve.pool import ExportPool, expand_sources, export_id
@@ -58,8 +59,8 @@ class ServeConfig:
     local_sink_tokens: int | None = setting(None, "Override the export's local sink tokens.")
     cache_dir: str | None = setting(None, "Verified copies of remote exports.", shown="~/.cache/edgekv")
     api_key: str | None = setting(None, "Bearer key required on /v1/*.", shown="EDGEKV_API_KEY; none: open")
-    max_batch: int = setting(32, "Requests decoded together per engine step.")
-    max_queue: int = setting(256, "Requests in flight; beyond it → 429.")
+    max_batch: int = setting(MAX_BATCH, "Requests decoded together per engine step.")
+    max_queue: int = setting(MAX_QUEUE, "Requests in flight; beyond it → 429.")
     served_model_name: str | None = setting(None, "Model id in /v1/models.", shown="the export's name")
     peer_kv: str | None = setting(
         None, "Same-model export of the system prompt from a nearby edge: its layers < m replace the local shallow "

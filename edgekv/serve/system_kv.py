@@ -23,7 +23,6 @@ import torch
 from edgekv import EdgeKVError
 from edgekv.attention.fuse import enable_fusion
 from edgekv.attention.prefix_kv import PrefixKV, prefix_kv
-from edgekv.kv.decode import decode_layer, edge_kv
 from edgekv.kv.export import (
     Expect,
     FetchError,
@@ -35,6 +34,7 @@ from edgekv.kv.export import (
     write_copy,
 )
 from edgekv.kv.fusers import Fuser
+from edgekv.kv.unpack import decode_layer, edge_kv
 from edgekv.models.loading import LoadedModel
 from edgekv.models.structure import KVPair, attn_shape, check_context, decoder_layers, model_device
 from edgekv.serve.pipeline import Fallback, LayerLoader, Link, events_as_dicts

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from edgekv import EdgeKVError
-from edgekv.align.mapping import STRATEGIES as MAPPINGS
+from edgekv.align.mapping import MAPPINGS
 from edgekv.eval.strategies.base import CompressStrategy, register_strategy
 from edgekv.kv.compress_job import CompressConfig
 

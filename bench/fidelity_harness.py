@@ -133,17 +133,24 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
-def paired_delta(rows: list[dict], reference: str = "edge") -> list[dict]:
-    """Per (source, condition, m): mean over texts of NLL minus the same text's reference NLL, with its standard
-    error (paired, so text difficulty cancels)."""
+def _deltas(rows: list[dict], reference: str) -> dict[tuple, list[float]]:
+    """(source, condition, m) → each text's NLL minus the same text's `reference` NLL (paired: difficulty cancels;
+    the reference itself: zeros)."""
     ref = {(r["source"], r["text"]): r["nll"] for r in rows if r["condition"] == reference}
     groups: dict[tuple, list[float]] = {}
     for r in rows:
-        if r["condition"] != reference:
-            delta = r["nll"] - ref[(r["source"], r["text"])]
-            groups.setdefault((r["source"], r["condition"], r["m"]), []).append(delta)
+        delta = r["nll"] - ref[(r["source"], r["text"])]
+        groups.setdefault((r["source"], r["condition"], r["m"]), []).append(delta)
+    return groups
+
+
+def paired_delta(rows: list[dict], reference: str = "edge") -> list[dict]:
+    """Per (source, condition, m): mean over texts of NLL minus the same text's reference NLL, with its standard
+    error."""
     out = []
-    for (source, condition, m), d in groups.items():
+    for (source, condition, m), d in _deltas(rows, reference).items():
+        if condition == reference:
+            continue
         t = torch.tensor(d, dtype=torch.float64)
         se = float(t.std(unbiased=True) / math.sqrt(len(d))) if len(d) > 1 else float("nan")
         out.append({"source": source, "condition": condition, "m": m, "texts": len(d), "delta_nll": float(t.mean()),
@@ -181,13 +188,11 @@ def context_gain(rows: list[dict]) -> dict:
 def delta_ci95(rows: list[dict], names: dict[tuple[str, int | None], str], reference: str = "edge") -> dict:
     """{source: {name: {n, delta_mean, delta_ci95}}} of the paired NLL differences to `reference` for the
     (condition, m) pairs in `names`; the interval is Student's t over texts (95 %, two-sided)."""
-    ref = {(r["source"], r["text"]): r["nll"] for r in rows if r["condition"] == reference}
+    groups = _deltas(rows, reference)
     out: dict[str, dict] = {}
     for source in sorted({r["source"] for r in rows}):
         for (condition, m), name in names.items():
-            d = torch.tensor([r["nll"] - ref[(source, r["text"])] for r in rows
-                              if r["source"] == source and r["condition"] == condition and r["m"] == m],
-                             dtype=torch.float64)
-            if d.numel():
-                out.setdefault(source, {})[name] = _t_interval(d)
+            if groups.get((source, condition, m)):
+                out.setdefault(source, {})[name] = _t_interval(torch.tensor(groups[source, condition, m],
+                                                                            dtype=torch.float64))
     return out

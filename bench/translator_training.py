@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from edgekv.attention.prefix_kv import PrefixKV, continuation_logits
-from edgekv.kv.registry import load_translator, save_translator
+from edgekv.kv.registry import save_translator
 from edgekv.kv.train_loop import Trainee, example_index, train_loop
 from edgekv.kv.translators import TrainedTranslator
 from edgekv.models.capture import capture
@@ -78,9 +78,3 @@ def train(edge, translator: TrainedTranslator, examples: list[TrainExample], m: 
                       save=lambda path: save_translator(translator, path, *pair), clip=1.0, loss_key="kl",
                       frozen=[edge.model])
     return train_loop(trainee, steps, lr, checkpoint, every, on_step, stop)
-
-
-def load_trained(path: str | Path, cloud_fingerprint: str | None = None,
-                 edge_fingerprint: str | None = None) -> TrainedTranslator:
-    """The trained translator of a training checkpoint (its translator.safetensors + translator.json)."""
-    return load_translator(path, cloud_fingerprint, edge_fingerprint)

@@ -126,7 +126,7 @@ def write_distill_report(runs: list[Path], out: Path, seed: int = 0) -> dict:
     return summary
 
 
-if __name__ == "__main__":  # python -m edgekv.eval.distill_report OUT_DIR RUN_DIR [RUN_DIR ...]
+if __name__ == "__main__":  # python -m bench.distill_report OUT_DIR RUN_DIR [RUN_DIR ...]
     import sys
 
     print(json.dumps(write_distill_report([Path(a) for a in sys.argv[2:]], Path(sys.argv[1])), indent=1))

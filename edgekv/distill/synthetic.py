@@ -1,0 +1,87 @@
+"""A system prompt's synthetic set, made once per teacher and settings and kept (safetensors + JSON): the
+teacher writes and answers queries over one prefill, the student answers its on-policy share, the teacher scores
+those; every sample carries the teacher's top-k targets."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from edgekv import EdgeKVError
+from edgekv.atomic import write_tensors_atomic, write_text_atomic
+from edgekv.distill.student import Student
+from edgekv.distill.teacher import INSTRUCTION, BatchedTeacher, Sample, plan_seeds, student_answers, synthesize
+from edgekv.kv.export import token_ids_sha256
+from edgekv.models.loading import LoadedModel
+from edgekv.progress import Steps
+
+SYNTHETIC_KEYS = ("queries", "seeds", "seed_prompts", "instructions", "answer_format", "window_tokens",
+                  "max_query_tokens", "query_temperature", "max_answer_tokens", "temperature", "on_policy", "top_k",
+                  "seed")
+
+
+def synthetic_set(cfg: Any, teacher: LoadedModel, edge: LoadedModel, student: Student, ids: torch.Tensor,
+               work: Path, steps: Steps) -> tuple[list[Sample], dict]:
+    """The synthetic set with its targets (`cfg`: a DistillConfig): read back when this teacher made it before, else
+    made and kept. Its
+    seconds: the teacher's prefill, writing the queries, answering, the student's on-policy answers, the teacher
+    scoring them."""
+    where = Path(cfg.synthetic_dir) / work.name if cfg.synthetic_dir else work
+    where.mkdir(parents=True, exist_ok=True)
+    meta_path, tensor_path = where / "synthetic.json", where / "synthetic.safetensors"
+    key = {"teacher": teacher.fingerprint, **{k: getattr(cfg, k) for k in SYNTHETIC_KEYS},
+           "prompt_sha256": token_ids_sha256(ids.tolist()), "format": 2}
+    if cfg.on_policy:  # the student's samples depend on where it starts
+        key.update(student=edge.fingerprint, length=student.tokens, rule=cfg.rule)
+    if meta_path.exists() and tensor_path.exists():
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        if meta["key"] == key:
+            t = load_file(str(tensor_path))
+            return [Sample(kind, t[f"{n}.user"], t[f"{n}.answer"], t[f"{n}.top_ids"], t[f"{n}.top_logp"], policy)
+                    for n, (kind, policy) in enumerate(zip(meta["seed"], meta["policy"]))], meta
+    seconds: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        seconds[name] = now - clock
+        clock = now
+
+    model = BatchedTeacher.of_prompt(teacher, ids, max_batch=cfg.teacher_batch)
+    lap("prefill_s")
+    plan = plan_seeds(cfg.seeds, cfg.queries)
+    written = sum(p != INSTRUCTION for p in plan)
+    order = torch.randperm(len(plan), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    theirs = set(order[:round(cfg.on_policy * len(plan))])  # the exchanges whose answer the student samples
+    samples, left = synthesize(model, ids, plan, [n in theirs for n in range(len(plan))], cfg.seed_prompts,
+                               cfg.instructions, cfg.answer_format, cfg.window_tokens, cfg.max_query_tokens,
+                               cfg.query_temperature, cfg.max_answer_tokens, cfg.temperature, cfg.top_k, cfg.seed,
+                               steps.task("teacher writes and answers", len(plan)))
+    lap("teach_s")
+    if left:
+        with torch.no_grad():
+            on = BatchedTeacher(edge, student.prefix(), max_batch=cfg.teacher_batch)
+            drawn = student_answers(on, left, cfg.max_answer_tokens, cfg.temperature, cfg.seed + 1,
+                                    steps.task("student answers", len(left)))
+        lap("student_s")
+        model.score(drawn, cfg.top_k, steps.task("teacher scores", len(drawn)))
+        lap("score_s")
+        samples += drawn
+    if len(samples) < 2:
+        raise EdgeKVError("the teacher answered fewer than 2 queries (every answer was empty)")
+    tensors = {f"{n}.{name}": getattr(s, name).clone().contiguous() for n, s in enumerate(samples)
+               for name in ("user", "answer", "top_ids", "top_logp")}
+    write_tensors_atomic(tensor_path, tensors)
+    meta = {"key": key, "seed": [s.seed for s in samples], "policy": [s.policy for s in samples],
+            "planned": cfg.queries, "written": written, **seconds,
+            "generate_s": sum(seconds.values()) - seconds.get("score_s", 0.0), "targets_s": seconds.get("score_s", 0.0),
+            "supervised_tokens": int(sum(s.answer.numel() for s in samples)),
+            "query_tokens": int(sum(s.user.numel() for s in samples))}
+    write_text_atomic(meta_path, json.dumps(meta))
+    return samples, meta

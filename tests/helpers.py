@@ -1,0 +1,68 @@
+"""Test helpers imported by the test modules: tiny randomly initialised models (built from configs), a byte-level
+tokenizer, shared texts and a same-model export. The fixtures built on them are in conftest.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def byte_tokenizer(permute: bool = False):
+    """A 256-token byte-level tokenizer (no merges); `permute` gives the same tokens other ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    symbols = sorted(ByteLevel.alphabet())
+    if permute:
+        symbols = symbols[::-1]
+    vocab = {s: i for i, s in enumerate(symbols)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=symbols[0], pad_token=symbols[0])
+
+
+def tiny_qwen2(layers: int, hidden: int, heads: int, kv_heads: int, seed: int, init: float = 0.02):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+                      tie_word_embeddings=False, initializer_range=init)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def tiny_opt(layers: int, hidden: int, heads: int, seed: int):
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = OPTConfig(vocab_size=256, hidden_size=hidden, ffn_dim=2 * hidden, num_hidden_layers=layers,
+                    num_attention_heads=heads, word_embed_proj_dim=hidden, max_position_embeddings=512)
+    return OPTForCausalLM(cfg).eval()
+
+
+def save_model(model, tokenizer, path: Path) -> str:
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+# ------------------------------------------------------------------------------------------- shared texts and
+# a tiny edge whose greedy path depends strongly on its cache (serving, engine and API tests)
+
+SYSTEM = "System: you are a careful assistant for a cloud-edge research group. Answer briefly and exactly. "
+USERS = ["User: what is a KV cache?", "User: name three prime numbers.", "User: ¿qué es la atención? ünïcode"]
+PROMPT = "You are a helpful assistant. Background: the cloud computes this prompt's KV cache once. " * 2
+ARTICLE = ("The council approved a new cycle lane along the river on Tuesday after a long public consultation. "
+           "Residents said the lane would make the school run safer, while shop owners worried about parking. ")
+
+
+def make_export(edge_dir, out, start_layer=1, quant="fp32", system=SYSTEM, tar=False):
+    """A same-model export of `system` for the tiny edge."""
+    from edgekv.kv.compress_job import CompressConfig, run_compress
+
+    run_compress(CompressConfig(out=str(out), cloud=edge_dir, edge=edge_dir, system_prompt=system, dtype="float32",
+                                quant=quant, start_layer=start_layer, tar=tar))
+    return out
