@@ -4,7 +4,7 @@ continuation pairs, XSum documents and system prompts given as TEXT or @FILE."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,15 +135,20 @@ def read_prompts(path: str | Path) -> list[tuple[str, str]]:
     return rows
 
 
-def jsonl_records(lines: list[str], path: str | Path) -> list[tuple[int, object]]:
-    """(line number, value) of each non-blank JSONL line; a line that is not JSON is a one-line error naming it."""
+def jsonl_records(lines: list[str], path: str | Path, on_bad: Callable[[int], None] | None = None
+                  ) -> list[tuple[int, object]]:
+    """(line number, value) of each non-blank JSONL line: the one JSONL reader. A line that is not JSON is a
+    one-line error naming it, or, with `on_bad`, reported to it by number and left out (a torn last line of an
+    interrupted writer, a foreign line in an index)."""
     out = []
     for number, line in enumerate(lines, start=1):
         if line.strip():
             try:
                 out.append((number, json.loads(line)))
             except json.JSONDecodeError as exc:
-                raise EdgeKVError(f"{path}:{number}: invalid JSON ({exc.msg})") from exc
+                if on_bad is None:
+                    raise EdgeKVError(f"{path}:{number}: invalid JSON ({exc.msg})") from exc
+                on_bad(number)
     return out
 
 
@@ -204,7 +209,7 @@ def split_texts(tokenizer, texts: list[str], source: str, prefix_tokens: int, co
 
 def xsum_documents(path: str | Path) -> list[str]:
     """Documents of the XSum JSONL sample."""
-    return [json.loads(line)["document"] for line in Path(path).read_text().splitlines() if line.strip()]
+    return [r["document"] for _, r in jsonl_records(read_text(path, "XSum sample").splitlines(), path)]
 
 
 def tokenize(tokenizer, texts: list[str], max_tokens: int, min_tokens: int) -> list[torch.Tensor]:

@@ -13,14 +13,13 @@ re-encoded text checked against the budget).
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgekv import EdgeKVError
-from edgekv.texts import DATA_DIR, ROLE_NAMES, iter_sharegpt, read_text
+from edgekv.texts import DATA_DIR, ROLE_NAMES, iter_sharegpt, jsonl_records, read_text
 
 ROOT = DATA_DIR.parent
 LETTERS = "ABCD"
@@ -54,14 +53,7 @@ def register(name: str):
 def _jsonl(path: Path) -> list[dict]:
     if not path.is_file():
         raise EdgeKVError(f"dataset file not found: {path}")
-    rows = []
-    for n, line in enumerate(read_text(path, "dataset file").splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise EdgeKVError(f"{path}:{n}: not JSON ({exc.msg})") from exc
-    return rows
+    return [r for _, r in jsonl_records(read_text(path, "dataset file").splitlines(), path)]
 
 
 def _hub(name: str, *args, split: str) -> list[dict]:

@@ -11,6 +11,7 @@ from edgekv import EdgeKVError
 from edgekv.atomic import write_text_atomic
 from edgekv.config import to_dict
 from edgekv.eval.report import write_report
+from edgekv.texts import jsonl_records
 
 log = logging.getLogger("edgekv")
 
@@ -38,13 +39,8 @@ def read_results(path: Path) -> list[dict]:
     """Rows already written (a torn last line from an interrupted run is dropped)."""
     if not path.exists():
         return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            log.warning("%s: dropping a torn line (interrupted run)", path)
-    return rows
+    torn = lambda n: log.warning("%s:%d: dropping a torn line (interrupted run)", path, n)  # noqa: E731
+    return [r for _, r in jsonl_records(path.read_text(encoding="utf-8").splitlines(), path, torn)]
 
 
 # Keys that choose what is run or reported, not what a row holds: rows made under other values are reusable.

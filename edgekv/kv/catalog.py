@@ -33,6 +33,7 @@ from pathlib import Path
 
 from edgekv import EdgeKVError
 from edgekv.kv.export import MANIFEST, KVExport, KVStoreError
+from edgekv.texts import jsonl_records
 
 INDEX = "index.jsonl"
 ENTRY = "entry.json"
@@ -168,15 +169,9 @@ class Catalog:
         path = self._path(INDEX)
         if not self.fs.exists(path):
             return []
-        rows = []
-        for line in self.fs.cat_file(path).decode("utf-8", errors="replace").splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict) and {"key", "name", "prompt_sha256"} <= set(row):
-                rows.append(row)
-        return rows
+        lines = self.fs.cat_file(path).decode("utf-8", errors="replace").splitlines()
+        return [row for _, row in jsonl_records(lines, path, on_bad=lambda n: None)
+                if isinstance(row, dict) and {"key", "name", "prompt_sha256"} <= set(row)]
 
     def _write_index(self, rows: list[dict]) -> None:
         self._write(self._path(INDEX), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode())

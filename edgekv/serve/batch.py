@@ -13,21 +13,18 @@ from edgekv.serve.requests import GenRequest
 from edgekv.serve.sampling import SamplingParams
 from edgekv.serve.serve_job import ServeConfig
 from edgekv.serve.session import EdgeSession
-from edgekv.texts import read_text
+from edgekv.texts import jsonl_records, read_text
 
 
 def read_batch(path: str | Path, cfg: ServeConfig) -> list[tuple[str, str, SamplingParams]]:
     """(id, prompt, params) per JSONL line; a bad line is a one-line error naming it."""
     rows = []
-    for n, line in enumerate(read_text(path, "--batch").splitlines(), 1):
-        if not line.strip():
-            continue
+    for n, data in jsonl_records(read_text(path, "--batch").splitlines(), path):
         try:
-            data = json.loads(line)
             if not isinstance(data, dict) or not isinstance(data.get("prompt"), str) or not data["prompt"]:
                 raise ValueError("needs a non-empty 'prompt' string")
             params = cfg.sampling().from_request(data, cfg.max_tokens_limit)
-        except (json.JSONDecodeError, ValueError, TypeError, EdgeKVError) as exc:
+        except (ValueError, TypeError, EdgeKVError) as exc:
             raise EdgeKVError(f"{path}:{n}: {exc}") from exc
         rows.append((str(data.get("id", n)), data["prompt"], params))
     if not rows:
