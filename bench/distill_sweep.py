@@ -49,6 +49,8 @@ SETTINGS = {  # in the order they run on each prompt: the data questions first
     "query-loss": {"query_loss": True},
     "lr5e-3": {"lr": 5e-3}, "lr2e-2": {"lr": 2e-2},
     "no-freeze": {"freeze_first": 0},
+    # the three changes that helped on both of the first two prompts, together (added at the second stop)
+    "candidate": {"lr": 5e-3, "on_policy": 0.5, "query_loss": True},
 }
 # what the synthetic sets share (the base recipe's data settings)
 DATA = dict(seeds=["structuring", "summarization", "question", "use-case", "creative", "instruction"],

@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # written in pieces, so this file does not hold what it looks for
-ROOTS = ["/wo" "rk/", "/ho" "me/[a-z_]", "/ro" "ot/", "/Us" "ers/", "/tmp/bash" "_jobs", r"C:\\Us" "ers"]
+ROOTS = ["/wo" "rk/", "/ho" "me/[a-z_]", "/ro" "ot/", "/Us" "ers/", "/t" "mp/[A-Za-z]", r"C:\\Us" "ers"]
 MACHINE_PATH = re.compile(r"(?<![\w.~])(" + "|".join(ROOTS) + ")")
 
 
