@@ -18,7 +18,7 @@ import torch
 from edgekv.align.align_job import AlignConfig, calibration_source, drop_massive_tokens, similarity_all
 from edgekv.models.capture import capture
 from edgekv.models.loading import load_model
-from edgekv.progress import Steps
+from edgekv.progress import Tasks
 from edgekv.texts import tokenize
 
 
@@ -46,7 +46,7 @@ def main() -> None:
     cloud, edge = load_model(cfg.cloud, cfg.dtype), load_model(cfg.edge, cfg.dtype)
     seqs = tokenize(edge.tokenizer, source.texts, cfg.max_tokens, min_tokens=cfg.skip_first + 2)
     select = lambda t, n: torch.arange(cfg.skip_first, n)  # noqa: E731
-    steps = Steps(None)
+    tasks = Tasks(None)
     t_cloud, cloud_acts = _median_time(lambda: capture(cloud.model, seqs, ["hidden"], select), args.repeats)
     t_edge, edge_acts = _median_time(lambda: capture(edge.model, seqs, ["hidden"], select), args.repeats)
     forward = t_cloud + t_edge
@@ -59,12 +59,12 @@ def main() -> None:
     print(f"forward (median of {args.repeats}): cloud {t_cloud:.2f} s + edge {t_edge:.2f} s = {forward:.2f} s")
 
     rows = []
-    t_full, full = _median_time(lambda: similarity_all(xs, ys, cfg, steps, "hidden"), args.repeats)
+    t_full, full = _median_time(lambda: similarity_all(xs, ys, cfg, tasks, "hidden"), args.repeats)
     rows.append({"tokens": n, "similarity_s": t_full, "max_abs_change": 0.0})
     for size in [int(s) for s in args.subsamples.split(",") if int(s) < n]:
         keep = torch.randperm(n, generator=torch.Generator().manual_seed(0))[:size].sort().values
         sub_x, sub_y = [x[keep] for x in xs], [y[keep] for y in ys]
-        t_sub, sub = _median_time(lambda: similarity_all(sub_x, sub_y, cfg, steps, "hidden"), args.repeats)
+        t_sub, sub = _median_time(lambda: similarity_all(sub_x, sub_y, cfg, tasks, "hidden"), args.repeats)
         change = max(float((sub[k] - full[k]).abs().max()) for k in ("linear_cka", "debiased_cka"))
         rows.append({"tokens": size, "similarity_s": t_sub, "max_abs_change": change})
 

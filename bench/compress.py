@@ -22,7 +22,7 @@ from edgekv.kv.compress_job import CompressConfig
 from edgekv.kv.encode import encode_layer, raw_fp16_bytes
 from edgekv.models.loading import load_model
 from edgekv.models.structure import attn_shape
-from edgekv.progress import Steps
+from edgekv.progress import Tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,7 +55,7 @@ def main() -> None:
     pairs, source = layer_pairs(cfg.mapping, cfg.start_layer, cloud.num_layers, edge.num_layers)
     timings: dict = {}
     start = time.perf_counter()
-    translator, edge_cal = get_translator(cfg, cloud, edge, pairs, calibration(cfg, edge.tokenizer), Steps())
+    translator, edge_cal = get_translator(cfg, cloud, edge, pairs, calibration(cfg, edge.tokenizer), Tasks())
     timings["calibration_s"] = time.perf_counter() - start
     layers = heterogeneous_layers(cloud, edge, ids, translator, edge_cal, cfg)
     print(f"system prompt: {ids.numel()} XSum tokens; mapping: {source}; map on {args.map_on}; "

@@ -34,7 +34,7 @@ from edgekv.distill.synthetic import synthetic_set
 from edgekv.eval.datasets import load_requests
 from edgekv.eval.stats import gap_closed, paired_bootstrap
 from edgekv.models.loading import load_model
-from edgekv.progress import Steps
+from edgekv.progress import Tasks
 
 ROOT = Path(__file__).resolve().parent.parent
 HELD = 16  # held-out exchanges per prompt (the issue asks for ≥ 16 fresh sequences)
@@ -91,7 +91,7 @@ def run_prompt(req, cloud, edge, out: Path, done: set, only: set | None, progres
     anchors = {"edgeprompt": reference_nll(edge, own, tok, req),
                "cloud": reference_nll(cloud, PrefixKV.of_model(cloud.model, ids), tok, req)}
     student0, _ = initial_student(edge, ids, ids.numel(), "all")
-    pool, meta = synthetic_set(base, cloud, edge, student0, ids, work / "teacher", Steps(progress))
+    pool, meta = synthetic_set(base, cloud, edge, student0, ids, work / "teacher", Tasks(progress))
     held, pool = pool[-HELD:], pool[:-HELD]
     rows = []
     for name, change in SETTINGS.items():
@@ -101,14 +101,14 @@ def run_prompt(req, cloud, edge, out: Path, done: set, only: set | None, progres
         train = pool[:cfg.queries]
         if cfg.on_policy:  # the same queries, half of them answered by the student and scored by the teacher
             mixed = replace(base, queries=POOL + HELD, on_policy=cfg.on_policy)
-            both, _ = synthetic_set(mixed, cloud, edge, student0, ids, work / "on-policy", Steps(progress))
+            both, _ = synthetic_set(mixed, cloud, edge, student0, ids, work / "on-policy", Tasks(progress))
             held_users = {tuple(h.user.tolist()) for h in held}
             train = [s for s in both if tuple(s.user.tolist()) not in held_users][:cfg.queries]
         steps = steps_for(len(train), cfg.batch)
         cfg = replace(cfg, steps=steps)
         start = time.perf_counter()
         student, _ = initial_student(edge, ids, ids.numel(), "all", freeze_first=cfg.freeze_first)
-        log, best = train_student(cfg, edge, student, train, held, work / f"train-{name}", Steps(progress))
+        log, best = train_student(cfg, edge, student, train, held, work / f"train-{name}", Tasks(progress))
         train_s = time.perf_counter() - start
         nll = reference_nll(edge, student.prefix(), tok, req)
         rows.append({"id": req.id, "dataset": req.dataset, "setting": name, **{k: getattr(cfg, k) for k in BASE},

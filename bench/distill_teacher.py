@@ -34,7 +34,7 @@ from edgekv.distill.distill_job import INSTRUCTIONS, DistillConfig
 from edgekv.distill.student import initial_student
 from edgekv.distill.synthetic import synthetic_set
 from edgekv.models.loading import eos_ids, load_model
-from edgekv.progress import Steps
+from edgekv.progress import Tasks
 from edgekv.texts import read_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,7 +78,7 @@ def batched_teacher(cfg: DistillConfig, cloud, edge, ids: torch.Tensor, work: Pa
     for name in ("synthetic.json", "synthetic.safetensors"):
         (work / name).unlink(missing_ok=True)
     start = time.perf_counter()
-    samples, meta = synthetic_set(cfg, cloud, edge, student, ids, work, Steps(None))
+    samples, meta = synthetic_set(cfg, cloud, edge, student, ids, work, Tasks(None))
     total = time.perf_counter() - start
     supervised = sum(s.answer.numel() + (s.user.numel() - 1) * cfg.query_loss for s in samples)
     return {"cloud_s": total, **{k: meta.get(k) for k in ("prefill_s", "teach_s", "student_s", "score_s")},

@@ -1,11 +1,12 @@
-"""Optional progress reporting for long library calls: one task per stage, a no-op without a progress bar."""
+"""Optional progress reporting for long library calls: one task per stage, a no-op without a progress bar. (Named
+`Tasks`, and passed as `tasks`, so that `steps` always means training steps.)"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 
-class Steps:
+class Tasks:
     """Wraps a rich `Progress` (or None): `task(description, total)` returns an advance callback."""
 
     def __init__(self, progress=None):

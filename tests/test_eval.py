@@ -393,7 +393,7 @@ def test_load_rows_are_reused_only_under_the_same_load_settings(tmp_path):
     from types import SimpleNamespace
 
     from edgekv.eval.load_runs import load_curves, reusable_load
-    from edgekv.progress import Steps
+    from edgekv.progress import Tasks
 
     cfg = EvalConfig(out=str(tmp_path), strategies=["edge-only", "ce-lslm"], load_rates=[0.1, 0.5], load_seconds=30)
     (tmp_path / "config.json").write_text(json.dumps({"load_seconds": 30, "load_dataset": "mmlu",
@@ -405,7 +405,7 @@ def test_load_rows_are_reused_only_under_the_same_load_settings(tmp_path):
     rows = reusable_load(tmp_path, cfg)
     assert len(rows) == 4 and rows[1]["latency_mean_s"] is None and rows[0]["rate"] == 0.1
     runner = SimpleNamespace(cfg=cfg)  # every (strategy, rate) is kept: no session is opened, nothing is run
-    assert load_curves(runner, [SimpleNamespace(system="s", user="u")], Steps(), rows) == rows
+    assert load_curves(runner, [SimpleNamespace(system="s", user="u")], Tasks(), rows) == rows
     cfg.load_seconds = 10
     assert reusable_load(tmp_path, cfg) == []
 

@@ -26,7 +26,7 @@ from edgekv.models.capture import FEATURES, capture
 from edgekv.models.loading import check_tokenizers, load_model, load_tokenizer, num_layers
 from edgekv.models.settings import ModelSettings
 from edgekv.plots import similarity_heatmap
-from edgekv.progress import Steps
+from edgekv.progress import Tasks
 from edgekv.texts import TextSource, load_text_file, sharegpt_texts, tokenize
 
 METRICS = ("linear_cka", "debiased_cka", "rsa")
@@ -112,9 +112,9 @@ def calibration_source(cfg: AlignConfig) -> TextSource:
     return sharegpt_texts(cfg.num_texts, offset=cfg.text_offset)
 
 
-def _capture_model(spec: str, cfg: AlignConfig, seqs, features, select, steps: Steps, label: str):
+def _capture_model(spec: str, cfg: AlignConfig, seqs, features, select, tasks: Tasks, label: str):
     loaded = load_model(spec, cfg.dtype, cfg.device_map, cfg.device)
-    advance = steps.task(f"{label} forward ({loaded.num_layers} layers)", len(seqs))
+    advance = tasks.task(f"{label} forward ({loaded.num_layers} layers)", len(seqs))
     start = time.perf_counter()
     acts = capture(loaded.model, seqs, features, select=select, on_text=advance)
     elapsed = time.perf_counter() - start
@@ -125,9 +125,9 @@ def _capture_model(spec: str, cfg: AlignConfig, seqs, features, select, steps: S
     return acts, info, elapsed
 
 
-def similarity_all(cloud_layers, edge_layers, cfg: AlignConfig, steps: Steps, label: str) -> dict[str, torch.Tensor]:
+def similarity_all(cloud_layers, edge_layers, cfg: AlignConfig, tasks: Tasks, label: str) -> dict[str, torch.Tensor]:
     """linear CKA, debiased CKA and RSA matrices (rows = cloud layers, columns = edge layers)."""
-    advance = steps.task(f"similarity {label} (CKA rows, RSA layers)", 2 * len(cloud_layers) + len(edge_layers))
+    advance = tasks.task(f"similarity {label} (CKA rows, RSA layers)", 2 * len(cloud_layers) + len(edge_layers))
     matrices = cka_matrices(cloud_layers, edge_layers, on_row=advance)
     matrices["rsa"] = rsa_matrix(cloud_layers, edge_layers, cfg.rsa_tokens, cfg.seed, on_layer=advance)
     return matrices
@@ -161,7 +161,7 @@ def _write_csv(path: Path, matrix: torch.Tensor) -> None:
 def run_align(cfg: AlignConfig, progress=None) -> AlignResult:
     """Capture, compare and map; write similarity.json, CSVs, PNG heatmaps and mapping.json into cfg.out."""
     cfg.validate()
-    steps = Steps(progress)
+    tasks = Tasks(progress)
     timings: dict[str, float] = {}
     with staged_dir(cfg.out) as staging:
         source = calibration_source(cfg)
@@ -189,14 +189,14 @@ def run_align(cfg: AlignConfig, progress=None) -> AlignResult:
 
         features = list(dict.fromkeys(cfg.features))
         cloud_acts, cloud_info, timings["cloud_forward_s"] = _capture_model(
-            cfg.cloud, cfg, seqs, features, select, steps, "cloud")
+            cfg.cloud, cfg, seqs, features, select, tasks, "cloud")
         edge_acts, edge_info, timings["edge_forward_s"] = _capture_model(
-            cfg.edge, cfg, seqs, features, select, steps, "edge")
+            cfg.edge, cfg, seqs, features, select, tasks, "edge")
         dropped = drop_massive_tokens(cloud_acts, edge_acts, cfg.outlier_ratio, tok)
         start = time.perf_counter()
         matrices: dict[str, torch.Tensor] = {}
         for feature in features:
-            found = similarity_all(cloud_acts.layers[feature], edge_acts.layers[feature], cfg, steps, feature)
+            found = similarity_all(cloud_acts.layers[feature], edge_acts.layers[feature], cfg, tasks, feature)
             prefix = "" if feature == "hidden" else f"{feature}."
             matrices.update({prefix + k: v for k, v in found.items()})
         timings["similarity_s"] = time.perf_counter() - start

@@ -50,7 +50,7 @@ from edgekv.models.loading import LoadedModel, check_tokenizers, load_model
 from edgekv.models.settings import ModelSettings
 from edgekv.models.structure import context_limit
 from edgekv.plots import loss_curve
-from edgekv.progress import Steps
+from edgekv.progress import Tasks
 from edgekv.texts import read_prompts, read_system_prompt
 
 log = logging.getLogger("edgekv")
@@ -170,7 +170,7 @@ def student_length(cfg: DistillConfig, n: int) -> int:
 
 
 def distill_one(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, name: str, prompt: str,
-                steps: Steps) -> dict:
+                tasks: Tasks) -> dict:
     """Distil one system prompt into `out/name/kv`; resumes; returns its report."""
     work = Path(cfg.out) / name
     if (work / "kv" / "manifest.json").exists() and (work / "report.json").exists():
@@ -194,10 +194,10 @@ def distill_one(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, nam
         raise EdgeKVError(f"{name}: --length {keep} is beyond the system prompt's {ids.numel()} tokens")
     work.mkdir(parents=True, exist_ok=True)
     student, index = initial_student(edge, ids, keep, cfg.rule, cfg.param, cfg.rank, cfg.seed, cfg.freeze_first)
-    samples, meta = synthetic_set(cfg, teacher, edge, student, ids, work, steps)
+    samples, meta = synthetic_set(cfg, teacher, edge, student, ids, work, tasks)
     train, held = split_samples(samples, cfg.held_out, cfg.seed)
     start = time.perf_counter()
-    log_, best = train_student(cfg, edge, student, train, held, work / "train", steps)
+    log_, best = train_student(cfg, edge, student, train, held, work / "train", tasks)
     train_s = time.perf_counter() - start  # this call's share: a resumed run counts only what it added
     report = _export(cfg, edge, teacher, student, ids, index, work, {
         "teacher": cfg.teacher, "teacher_fingerprint": teacher.fingerprint, "length": keep, "rule": cfg.rule,
@@ -253,7 +253,7 @@ class DistillWorker:
 
     def __init__(self, cfg: DistillConfig, models: tuple[LoadedModel | None, LoadedModel] | None = None,
                  progress=None):
-        self.cfg, self.steps = cfg, Steps(progress)
+        self.cfg, self.tasks = cfg, Tasks(progress)
         if models is not None:
             cloud, self.edge = models
         else:
@@ -267,7 +267,7 @@ class DistillWorker:
         """{report, row, computed}: the prompt's report (its loss log left out) and, with a catalog, its index row
         and whether this call put the entry there."""
         name, prompt = item
-        report = distill_one(self.cfg, self.edge, self.teacher, name, prompt, self.steps)
+        report = distill_one(self.cfg, self.edge, self.teacher, name, prompt, self.tasks)
         row, computed = None, False
         if self.catalog is not None:  # keyed like compress's entries: everything that determines the bytes
             sha = token_ids_sha256(self.edge.tokenizer(prompt, add_special_tokens=True)["input_ids"])
@@ -291,7 +291,7 @@ def run_distill(cfg: DistillConfig, progress=None, models: tuple[LoadedModel, Lo
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "config.json", json.dumps(to_dict(cfg), indent=1))
-    advance = Steps(progress).task("distil system prompts", len(prompts))
+    advance = Tasks(progress).task("distil system prompts", len(prompts))
     results = run_items(lambda: DistillWorker(cfg, None if use_ray else models, None if use_ray else progress),
                         prompts, address=cfg.ray or None, workers=cfg.workers, on_done=lambda r: advance(),
                         use_ray=use_ray)

@@ -22,7 +22,7 @@ from edgekv.distill.teacher import Sample
 from edgekv.kv.train_loop import Trainee, example_index, train_loop
 from edgekv.models.loading import LoadedModel
 from edgekv.models.targets import topk_kl
-from edgekv.progress import Steps
+from edgekv.progress import Tasks
 
 RULES = ("first", "even", "all")
 
@@ -138,7 +138,7 @@ def split_samples(samples: list[Sample], held_out: float, seed: int) -> tuple[li
 
 
 def train_student(cfg: Any, edge: LoadedModel, student: Student, train: list[Sample], held: list[Sample],
-                  checkpoint: Path, steps: Steps) -> tuple[list[dict], dict]:
+                  checkpoint: Path, tasks: Tasks) -> tuple[list[dict], dict]:
     """train_loop on the student (`cfg`: a DistillConfig), held-out KL every `eval_every` steps; the best held-out
     state is kept (in the checkpoint, so a resumed run knows it) and restored at the end; stops after `patience`
     evaluations without improvement."""
@@ -171,7 +171,7 @@ def train_student(cfg: Any, edge: LoadedModel, student: Student, train: list[Sam
     log_ = []
     if cfg.steps:
         log_ = train_loop(trainee, cfg.steps, cfg.lr, checkpoint, cfg.eval_every,
-                          steps.task("train the student", cfg.steps), stop)
+                          tasks.task("train the student", cfg.steps), stop)
     if not snapshot and best_path.exists():
         snapshot.update(load_file(str(best_path)))
     with torch.no_grad():

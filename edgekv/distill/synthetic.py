@@ -18,7 +18,7 @@ from edgekv.distill.student import Student
 from edgekv.distill.teacher import INSTRUCTION, BatchedTeacher, Sample, plan_seeds, student_answers, synthesize
 from edgekv.kv.export import token_ids_sha256
 from edgekv.models.loading import LoadedModel
-from edgekv.progress import Steps
+from edgekv.progress import Tasks
 
 SYNTHETIC_KEYS = ("queries", "seeds", "seed_prompts", "instructions", "answer_format", "window_tokens",
                   "max_query_tokens", "query_temperature", "max_answer_tokens", "temperature", "on_policy", "top_k",
@@ -26,7 +26,7 @@ SYNTHETIC_KEYS = ("queries", "seeds", "seed_prompts", "instructions", "answer_fo
 
 
 def synthetic_set(cfg: Any, teacher: LoadedModel, edge: LoadedModel, student: Student, ids: torch.Tensor,
-               work: Path, steps: Steps) -> tuple[list[Sample], dict]:
+               work: Path, tasks: Tasks) -> tuple[list[Sample], dict]:
     """The synthetic set with its targets (`cfg`: a DistillConfig): read back when this teacher made it before, else
     made and kept. Its
     seconds: the teacher's prefill, writing the queries, answering, the student's on-policy answers, the teacher
@@ -62,15 +62,15 @@ def synthetic_set(cfg: Any, teacher: LoadedModel, edge: LoadedModel, student: St
     samples, left = synthesize(model, ids, plan, [n in theirs for n in range(len(plan))], cfg.seed_prompts,
                                cfg.instructions, cfg.answer_format, cfg.window_tokens, cfg.max_query_tokens,
                                cfg.query_temperature, cfg.max_answer_tokens, cfg.temperature, cfg.top_k, cfg.seed,
-                               steps.task("teacher writes and answers", len(plan)))
+                               tasks.task("teacher writes and answers", len(plan)))
     lap("teach_s")
     if left:
         with torch.no_grad():
             on = BatchedTeacher(edge, student.prefix(), max_batch=cfg.teacher_batch)
             drawn = student_answers(on, left, cfg.max_answer_tokens, cfg.temperature, cfg.seed + 1,
-                                    steps.task("student answers", len(left)))
+                                    tasks.task("student answers", len(left)))
         lap("student_s")
-        model.score(drawn, cfg.top_k, steps.task("teacher scores", len(drawn)))
+        model.score(drawn, cfg.top_k, tasks.task("teacher scores", len(drawn)))
         lap("score_s")
         samples += drawn
     if len(samples) < 2:

@@ -18,7 +18,7 @@ from edgekv.kv.cloud_kv import calibration, get_translator
 from edgekv.kv.compress_job import CompressConfig, run_compress
 from edgekv.kv.registry import save_translator
 from edgekv.models.loading import LoadedModel, check_tokenizers, load_pair
-from edgekv.progress import Steps
+from edgekv.progress import Tasks
 from edgekv.serve.pipeline import Link
 
 log = logging.getLogger("edgekv")
@@ -46,8 +46,8 @@ class Artefacts:
     """What the strategies of one eval run share: the loaded models, the link, layer mappings, fitted translators
     and the exports of system prompts (each made once). `cfg` is the run's EvalConfig."""
 
-    def __init__(self, cfg: Any, out: Path, steps: Steps, models: tuple[LoadedModel, LoadedModel] | None = None):
-        self.cfg, self.out, self.steps = cfg, out, steps
+    def __init__(self, cfg: Any, out: Path, tasks: Tasks, models: tuple[LoadedModel, LoadedModel] | None = None):
+        self.cfg, self.out, self.tasks = cfg, out, tasks
         if models is not None:
             self.cloud, self.edge = models
         else:
@@ -71,7 +71,7 @@ class Artefacts:
 
             log.info("no %s/mapping.json: running `edgekv align` first", align_dir)
             acfg = load_config(AlignConfig, "align", self.cfg.align_config, {"out": str(align_dir)})
-            run_align(acfg, self.steps.progress)
+            run_align(acfg, self.tasks.progress)
         if variant in ("", "similarity"):
             return str(align_dir / "mapping.json")
         sim = json.loads((align_dir / "similarity.json").read_text())
@@ -96,7 +96,7 @@ class Artefacts:
             ccfg = replace(ccfg, translator_path=None)
             pairs, _ = layer_pairs(ccfg.mapping, ccfg.start_layer, self.cloud.num_layers, self.edge.num_layers)
             translator, _ = get_translator(ccfg, self.cloud, self.edge, pairs, calibration(ccfg, self.edge.tokenizer),
-                                           self.steps)
+                                           self.tasks)
             save_translator(translator, path, self.cloud.fingerprint, self.edge.fingerprint)
         self.translators[variant] = str(path)
         return str(path)

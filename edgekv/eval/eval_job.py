@@ -35,7 +35,7 @@ from edgekv.eval.runs import canonical, check_resumable, in_shard, merge_runs, r
 from edgekv.eval.scoring import Scorer, answer_row
 from edgekv.models.loading import load_pair
 from edgekv.models.structure import check_context
-from edgekv.progress import Steps
+from edgekv.progress import Tasks
 
 log = logging.getLogger("edgekv")
 
@@ -73,7 +73,7 @@ def run_eval_on_ray(cfg: EvalConfig, progress=None) -> dict:
 
     n = cfg.workers
     shards = [f"{i}/{n}" for i in range(1, n + 1)]
-    advance = Steps(progress).task(f"eval shards on Ray ({n} actors)", n)
+    advance = Tasks(progress).task(f"eval shards on Ray ({n} actors)", n)
     results = run_items(lambda: ShardWorker(cfg), shards, address=cfg.ray or None, workers=n,
                         on_done=lambda r: advance())
     failed = [f"{r['item']}: {r['error']}" for r in results if "error" in r]
@@ -96,8 +96,8 @@ def run_eval(cfg: EvalConfig, progress=None, models=None) -> dict:
         check_resumable(out, cfg)
     earlier_load = reusable_load(out, cfg)
     write_text_atomic(out / "config.json", json.dumps(to_dict(cfg), indent=1))
-    steps = Steps(progress)
-    artefacts, scorer = Artefacts(cfg, out, steps, models), Scorer(cfg.bertscore)
+    tasks = Tasks(progress)
+    artefacts, scorer = Artefacts(cfg, out, tasks, models), Scorer(cfg.bertscore)
     requests = {d: eval_requests(cfg, d, artefacts.edge.tokenizer) for d in cfg.datasets}
     for d in cfg.datasets:
         check_lengths(requests[d], artefacts, cfg)
@@ -108,7 +108,7 @@ def run_eval(cfg: EvalConfig, progress=None, models=None) -> dict:
     done = {(r["dataset"], r["strategy"], r["id"]) for r in rows}
     todo = [(d, s, k, r) for d in cfg.datasets for k, r in enumerate(requests[d]) if in_shard(k, cfg.shard)
             for s in cfg.strategies if (d, s, r.id) not in done]
-    advance = steps.task(f"eval ({len(done)} done before)", len(todo))
+    advance = tasks.task(f"eval ({len(done)} done before)", len(todo))
     with results.open("a", encoding="utf-8") as f:
         for dataset, strategy, index, req in todo:
             row = answer_row(artefacts, strategy, req, scorer, index)
@@ -120,6 +120,6 @@ def run_eval(cfg: EvalConfig, progress=None, models=None) -> dict:
              if in_shard(k, cfg.shard)}
     rows = canonical([r for r in rows if (r["dataset"], r["id"]) in order and r["strategy"] in cfg.strategies],
                      order, cfg.strategies)
-    load = load_curves(artefacts, requests[cfg.load_dataset], steps, earlier_load) if cfg.load_rates else []
+    load = load_curves(artefacts, requests[cfg.load_dataset], tasks, earlier_load) if cfg.load_rates else []
     return write_report(out, rows, to_dict(cfg), scorer.name, {"cloud": artefacts.cloud.spec,
                                                                "edge": artefacts.edge.spec}, load)

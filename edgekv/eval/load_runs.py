@@ -19,7 +19,7 @@ from pathlib import Path
 from edgekv.eval.artefacts import Artefacts
 from edgekv.eval.datasets import Request
 from edgekv.eval.strategies import parse_strategy
-from edgekv.progress import Steps
+from edgekv.progress import Tasks
 from edgekv.serve.http_server import EdgeServer
 from edgekv.serve.session import EdgeSession
 from edgekv.summary import mean, percentile
@@ -108,13 +108,13 @@ def reusable_load(out: Path, cfg) -> list[dict]:
              "normalized_latency_s_per_token": number(r["normalized_latency_s_per_token"])} for r in rows]
 
 
-def load_curves(artefacts: Artefacts, requests: list[Request], steps: Steps, earlier: list[dict] | None = None
+def load_curves(artefacts: Artefacts, requests: list[Request], tasks: Tasks, earlier: list[dict] | None = None
                 ) -> list[dict]:
     """Poisson load runs per strategy and rate (see load_runs.py); (strategy, rate) pairs in `earlier` are kept."""
     cfg = artefacts.cfg
     kept = {(r["strategy"], r["rate"]): r for r in earlier or [] if r["strategy"] in cfg.strategies
             and r["rate"] in cfg.load_rates}
-    advance = steps.task("load runs", len(cfg.strategies) * len(cfg.load_rates) - len(kept))
+    advance = tasks.task("load runs", len(cfg.strategies) * len(cfg.load_rates) - len(kept))
     system = requests[0].system
     out = []
     for strategy in cfg.strategies:

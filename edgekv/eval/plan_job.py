@@ -39,7 +39,7 @@ from edgekv.eval.runs import read_results, rewrite_report
 from edgekv.eval.stats import paired_to_edge
 from edgekv.eval.strategies import parse_strategy
 from edgekv.plots import plt, save_figure
-from edgekv.progress import Steps
+from edgekv.progress import Tasks
 from edgekv.serve.pipeline import Link
 
 
@@ -139,8 +139,8 @@ def run_plan(cfg: PlanConfig, progress=None) -> dict:
         ecfg.translator_path = str(fitted)  # the quality run's translator, not a refit
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    steps = Steps(progress)
-    a = Artefacts(ecfg, out, steps)
+    tasks = Tasks(progress)
+    a = Artefacts(ecfg, out, tasks)
     requests = eval_requests(ecfg, cfg.dataset, a.edge.tokenizer)
     if cfg.request is not None and cfg.request >= len(requests):
         raise EdgeKVError(f"request {cfg.request} is beyond the run's {len(requests)} {cfg.dataset} requests")
@@ -158,7 +158,7 @@ def run_plan(cfg: PlanConfig, progress=None) -> dict:
                                     else 0.0)
     user = torch.tensor(a.edge.tokenizer(req.user, add_special_tokens=False)["input_ids"])
     picks = []
-    advance = steps.task("plan + measure picks", len(cfg.links))
+    advance = tasks.task("plan + measure picks", len(cfg.links))
     for text in cfg.links:
         link = parse_link(text)
         best, table = plan(candidates, profile, link, cfg.max_quality_loss)
@@ -171,7 +171,7 @@ def run_plan(cfg: PlanConfig, progress=None) -> dict:
             pick["error"] = pick["measured_s"] / pick["predicted_s"] - 1
         picks.append(pick)
         advance()
-    sweep, swept = _sweep(a, cfg, profile, req, user, fixed, out, steps) if cfg.measure else ([], {})
+    sweep, swept = _sweep(a, cfg, profile, req, user, fixed, out, tasks) if cfg.measure else ([], {})
     result = {"config": to_dict(cfg), "profile": profile_dict(profile), "request": req.id,
               "candidates": [{"label": c.label, "mb": c.bytes / 2**20, "quality_loss": c.quality_loss}
                              for c in candidates], "picks": picks, "sweep": sweep}
@@ -200,12 +200,12 @@ def _measure(a: Artefacts, c: Candidate, req, user, link: Link, out: Path, reps:
 
 
 def _sweep(a: Artefacts, cfg: PlanConfig, profile: Profile, req, user, fixed: list[str], out: Path,
-           steps: Steps) -> tuple[list[dict], dict[str, Candidate]]:
+           tasks: Tasks) -> tuple[list[dict], dict[str, Candidate]]:
     """Measured and predicted cold TTFT of the fixed strategies at each bandwidth of the sweep (and the
     strategies as candidates, for the predicted lines)."""
     strategies = ["edge-only", "cloud-only", *fixed]
     rows, cands = [], {}
-    advance = steps.task("bandwidth sweep", len(strategies) * len(cfg.sweep_mbps))
+    advance = tasks.task("bandwidth sweep", len(strategies) * len(cfg.sweep_mbps))
     for mbps in cfg.sweep_mbps:
         link = Link(mbps, cfg.sweep_latency_ms)
         for s in strategies:

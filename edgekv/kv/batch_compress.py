@@ -15,7 +15,7 @@ from edgekv.kv.compress_job import CompressConfig, run_compress
 from edgekv.kv.export import token_ids_sha256
 from edgekv.models.loading import check_tokenizers, load_pair
 from edgekv.models.packaged import files_sha256
-from edgekv.progress import Steps
+from edgekv.progress import Tasks
 from edgekv.texts import read_prompts
 
 # settings that never change an export's bytes (where it goes, how it is packaged, where the prompts came from)
@@ -71,7 +71,7 @@ def run_compress_batch(cfg: CompressConfig, progress=None, models=None) -> dict:
     index is written here, once, from what the workers report, under the catalog's index lock."""
     prompts = read_prompts(cfg.prompts)
     catalog = Catalog(cfg.catalog)
-    advance = Steps(progress).task(f"compress → {cfg.catalog}", len(prompts))
+    advance = Tasks(progress).task(f"compress → {cfg.catalog}", len(prompts))
     use_ray = cfg.ray is not None
     results = run_items(lambda: PromptWorker(cfg, None if use_ray else models), prompts,
                         address=cfg.ray or None, workers=cfg.workers, on_done=lambda r: advance(), use_ray=use_ray)

@@ -17,7 +17,7 @@ from edgekv.kv.translators import Translator, split_by_text
 from edgekv.models.capture import capture
 from edgekv.models.loading import LoadedModel
 from edgekv.models.structure import attn_shape, split_heads
-from edgekv.progress import Steps
+from edgekv.progress import Tasks
 from edgekv.texts import load_text_file, sharegpt_texts, tokenize
 
 
@@ -47,9 +47,9 @@ def _window_and_heldout(q: torch.Tensor, window: int, max_heldout: int = 256, se
 
 
 def same_model_layers(model: LoadedModel, ids: torch.Tensor, start: int, window: int, seed: int,
-                      steps: Steps | None = None) -> list[LayerKV]:
+                      tasks: Tasks | None = None) -> list[LayerKV]:
     """The model's own KV of layers start..L-1 (rotated, as in its cache) and its own queries."""
-    acts = capture(model.model, [ids], ("k", "v", "q"), on_text=(steps or Steps()).task("system prompt forward", 1))
+    acts = capture(model.model, [ids], ("k", "v", "q"), on_text=(tasks or Tasks()).task("system prompt forward", 1))
     heads, kv_heads, _ = attn_shape(model.model)
     layers = []
     for i in range(start, model.num_layers):
@@ -72,40 +72,40 @@ def calibration(cfg: Any, tokenizer) -> list[torch.Tensor]:
 _QUERY_CACHE: dict[tuple, object] = {}
 
 
-def _edge_queries(edge: LoadedModel, calib: list[torch.Tensor], steps: Steps):
+def _edge_queries(edge: LoadedModel, calib: list[torch.Tensor], tasks: Tasks):
     """The edge's calibration queries (ThinK scoring for edge-shaped exports), captured once per process for the
     same model and texts: a process that compresses many prompts (edgekv eval) pays for them once."""
     digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in calib)).hexdigest()
     key = (edge.fingerprint, digest)
     if key not in _QUERY_CACHE:
         _QUERY_CACHE.clear()  # keep one entry: the captures are tens of MB
-        _QUERY_CACHE[key] = capture(edge.model, calib, ("q",), on_text=steps.task("calibration: edge", len(calib)))
+        _QUERY_CACHE[key] = capture(edge.model, calib, ("q",), on_text=tasks.task("calibration: edge", len(calib)))
     return _QUERY_CACHE[key]
 
 
 def get_translator(cfg: Any, cloud: LoadedModel, edge: LoadedModel, pairs: list[tuple[int, int]],
-                   calib: list[torch.Tensor], steps: Steps) -> tuple[Translator, dict]:
+                   calib: list[torch.Tensor], tasks: Tasks) -> tuple[Translator, dict]:
     """The translator: loaded from --translator-path (checked against this model pair), or fitted on the
     calibration texts for `pairs`. Also returns the edge's calibration captures (for ThinK scoring queries)."""
     if cfg.translator_path:  # loaded (and checked) before any forward pass: a wrong one fails fast
         translator = load_translator(cfg.translator_path, cloud.fingerprint, edge.fingerprint)
         if translator.name != cfg.translator:
             raise EdgeKVError(f"{cfg.translator_path}: a '{translator.name}' translator, not '{cfg.translator}'")
-        return translator, _edge_queries(edge, calib, steps)
+        return translator, _edge_queries(edge, calib, tasks)
     edge_cal = capture(edge.model, calib, ("q", *TRANSLATORS[cfg.translator].features),
-                       on_text=steps.task("calibration: edge", len(calib)))
+                       on_text=tasks.task("calibration: edge", len(calib)))
     cloud_cal = capture(cloud.model, calib, TRANSLATORS[cfg.translator].features,
-                        on_text=steps.task("calibration: cloud", len(calib)))
+                        on_text=tasks.task("calibration: cloud", len(calib)))
     return TRANSLATORS[cfg.translator]().fit(cloud_cal, edge_cal, pairs, edge.model), edge_cal
 
 
 def heterogeneous_layers(cloud: LoadedModel, edge: LoadedModel, ids: torch.Tensor, translator: Translator,
-                         edge_cal, cfg: Any, steps: Steps | None = None) -> list[LayerKV]:
+                         edge_cal, cfg: Any, tasks: Tasks | None = None) -> list[LayerKV]:
     """What is shipped for each of the translator's pairs: edge-shaped KV (map on the cloud) or the cloud-space
     features the edge's translator needs (map on the edge), with the queries that score key channels."""
-    steps = steps or Steps()
+    tasks = tasks or Tasks()
     features = (*translator.features, "q_unrot")
-    cloud_prompt = capture(cloud.model, [ids], features, on_text=steps.task("system prompt: cloud forward", 1))
+    cloud_prompt = capture(cloud.model, [ids], features, on_text=tasks.task("system prompt: cloud forward", 1))
     c_heads, c_kv, _ = attn_shape(cloud.model)
     e_heads, _, _ = attn_shape(edge.model)
     # edge-space scoring queries come from calibration (the cloud never runs the edge on the prompt):
@@ -136,16 +136,16 @@ def heterogeneous_layers(cloud: LoadedModel, edge: LoadedModel, ids: torch.Tenso
 
 
 def cloud_side(cfg: Any, cloud: LoadedModel, edge: LoadedModel, ids: torch.Tensor, pairs: list,
-                mapping_source: str, same: bool, steps: Steps) -> tuple:
+                mapping_source: str, same: bool, tasks: Tasks) -> tuple:
     """The cloud-side KV of the prompt, before encoding (`cfg`: a CompressConfig with its splice resolved)."""
     timings: dict[str, float] = {}
     files: dict = {}
     start = time.perf_counter()
     translator, extra = None, {}
     if same:
-        layers = same_model_layers(edge, ids, pairs[0][0], cfg.window, cfg.seed, steps)
+        layers = same_model_layers(edge, ids, pairs[0][0], cfg.window, cfg.seed, tasks)
     else:
-        translator, edge_cal = get_translator(cfg, cloud, edge, pairs, calibration(cfg, edge.tokenizer), steps)
+        translator, edge_cal = get_translator(cfg, cloud, edge, pairs, calibration(cfg, edge.tokenizer), tasks)
         if cfg.translator_path:  # the saved translator's pairing wins over --mapping
             pairs = [p for p in translator.pairs() if cfg.start_layer is None or p[0] >= cfg.start_layer]
             if cfg.splice == "fuse":  # a closed gate takes nothing from the cloud: ship only the open layers
@@ -156,7 +156,7 @@ def cloud_side(cfg: Any, cloud: LoadedModel, edge: LoadedModel, ids: torch.Tenso
             translator.keep_layers(i for i, _ in pairs)
             mapping_source = f"pairs of translator {cfg.translator_path}"
         timings["calibration_s"] = time.perf_counter() - start
-        layers = heterogeneous_layers(cloud, edge, ids, translator, edge_cal, cfg, steps)
+        layers = heterogeneous_layers(cloud, edge, ids, translator, edge_cal, cfg, tasks)
         # a fuser's gates run on the edge either way; its maps only where the edge applies them
         shipped = translator.gates_only() if cfg.splice == "fuse" and cfg.map_on == "cloud" else translator
         files = translator_files(shipped, cloud.fingerprint, edge.fingerprint)

@@ -47,7 +47,7 @@ from edgekv.models.settings import ModelSettings
 from edgekv.models.structure import (
     check_context,
 )
-from edgekv.progress import Steps
+from edgekv.progress import Tasks
 from edgekv.summary import mean
 from edgekv.texts import read_system_prompt
 
@@ -208,21 +208,21 @@ def run_compress(cfg: CompressConfig, progress=None, models: tuple[LoadedModel, 
     if not pairs:
         raise EdgeKVError("no layer pairs to export (check --start-layer against the mapping)")
 
-    steps = Steps(progress)
+    tasks = Tasks(progress)
     key = json.dumps({k: v for k, v in to_dict(cfg).items() if k not in ENCODING_KEYS} | {"prompt": prompt},
                      sort_keys=True)
     if layers_cache is not None and key in layers_cache:
         side = layers_cache[key]
         timings["cached_cloud_kv_s"] = sum(side.timings.values())
     else:
-        side = cloud_side(cfg, cloud, edge, ids, pairs, mapping_source, same, steps)
+        side = cloud_side(cfg, cloud, edge, ids, pairs, mapping_source, same, tasks)
         timings.update(side.timings)
         if layers_cache is not None:
             layers_cache[key] = side
     translator, pairs, layers, extra, files = side.translator, side.pairs, side.layers, side.extra, side.files
 
     start = time.perf_counter()
-    advance = steps.task("encode layers (ThinK + quantize)", len(layers))
+    advance = tasks.task("encode layers (ThinK + quantize)", len(layers))
     tensors, entries, rows = {}, [], []
     for kv in layers:
         t, e, r = encode_layer(kv, cfg.prune_ratio, cfg.quant, cfg.keep_recent)

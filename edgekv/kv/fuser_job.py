@@ -36,7 +36,7 @@ from edgekv.models.capture import capture
 from edgekv.models.loading import check_tokenizers, load_model
 from edgekv.models.settings import ModelSettings
 from edgekv.plots import loss_curve
-from edgekv.progress import Steps
+from edgekv.progress import Tasks
 from edgekv.texts import (
     DATA_DIR,
     iter_sharegpt,
@@ -135,7 +135,7 @@ def run_train_fuser(cfg: TrainFuserConfig, progress=None) -> dict:
     """Train (resuming from cfg.out), choose the hard gates, write the fuser and its evidence; return gates.json."""
     cfg.validate()
     out = Path(cfg.out)
-    steps = Steps(progress)
+    tasks = Tasks(progress)
     edge = load_model(cfg.edge, cfg.dtype, device=cfg.device)
     teacher = load_model(cfg.cloud, cfg.dtype, device=cfg.device)  # the target is always the cloud's distribution
     cloud = edge if cfg.self_fuse else teacher  # where the fused KV comes from
@@ -147,8 +147,8 @@ def run_train_fuser(cfg: TrainFuserConfig, progress=None) -> dict:
     seqs = tokenize(edge.tokenizer, sharegpt_texts(cfg.calib_texts).texts, cfg.calib_tokens, min_tokens=2)
     with torch.no_grad():
         hidden = HiddenTranslator().fit(
-            capture(cloud.model, seqs, ("hidden_in",), on_text=steps.task("calibration: cloud", len(seqs))),
-            capture(edge.model, seqs, ("hidden_in",), on_text=steps.task("calibration: edge", len(seqs))),
+            capture(cloud.model, seqs, ("hidden_in",), on_text=tasks.task("calibration: cloud", len(seqs))),
+            capture(edge.model, seqs, ("hidden_in",), on_text=tasks.task("calibration: edge", len(seqs))),
             pairs, edge.model)
     extra = {"rank": cfg.rank, "seed": cfg.seed} if cfg.gate == "fuse-residual" else {}
     fuser = TRANSLATORS[cfg.gate].from_hidden(hidden, edge.model, source="edge" if cfg.self_fuse else "cloud",
@@ -161,14 +161,14 @@ def run_train_fuser(cfg: TrainFuserConfig, progress=None) -> dict:
     start = time.perf_counter()
     raw = cfg.map_lr is not None  # the maps train: cache the cloud's hidden states, map them at every step
     examples = prepare(edge, cloud, train_texts, fuser, pair, cfg.top_k, cfg.cache,
-                       on_text=steps.task("features: training texts", len(train_texts)), teacher=teacher, raw=raw)
+                       on_text=tasks.task("features: training texts", len(train_texts)), teacher=teacher, raw=raw)
     held = prepare(edge, cloud, gate_texts, fuser, pair, cfg.top_k, cfg.cache,
-                   on_text=steps.task("features: gate-choice texts", len(gate_texts)), teacher=teacher, raw=raw)
+                   on_text=tasks.task("features: gate-choice texts", len(gate_texts)), teacher=teacher, raw=raw)
     prepared_s = time.perf_counter() - start
     del teacher, cloud  # training needs the edge alone (raw features are large: free the cloud's memory first)
     deadline = time.perf_counter() + 60 * cfg.minutes
     log = train(edge, fuser, examples, held, cfg.steps, lr=cfg.lr or DEFAULT_LR[cfg.gate], ce_weight=cfg.ce_weight,
-                seed=cfg.seed, checkpoint=out, every=cfg.eval_every, on_step=steps.task("train", cfg.steps),
+                seed=cfg.seed, checkpoint=out, every=cfg.eval_every, on_step=tasks.task("train", cfg.steps),
                 stop=lambda s: time.perf_counter() > deadline, pair=pair, map_lr=cfg.map_lr)
     trained_s = time.perf_counter() - start - prepared_s
     gates = choose_gates(edge, fuser, held, cfg.gate_margin, cfg.max_open)

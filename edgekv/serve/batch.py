@@ -8,7 +8,7 @@ from pathlib import Path
 
 from edgekv import EdgeKVError
 from edgekv.atomic import write_text_atomic
-from edgekv.progress import Steps
+from edgekv.progress import Tasks
 from edgekv.serve.requests import GenRequest
 from edgekv.serve.sampling import SamplingParams
 from edgekv.serve.serve_job import ServeConfig
@@ -36,7 +36,7 @@ def run_batch(cfg: ServeConfig, session: EdgeSession, progress=None) -> list[dic
     """Answer every line of cfg.batch, all in flight together through the engine; write cfg.output atomically
     (one JSON object per line, in input order)."""
     rows = read_batch(cfg.batch, cfg)
-    advance = Steps(progress).task("requests", len(rows))
+    advance = Tasks(progress).task("requests", len(rows))
     # inline: the steps run on this thread, which built the session (one OpenMP pool; see Engine)
     engine = session.engine(max_batch=cfg.max_batch, max_queue=max(len(rows), 1), background=False)
     try:
