@@ -75,7 +75,7 @@ def parse_floats(value: str | None) -> list[float] | None:
         raise EdgeKVError(f"expected comma-separated numbers, got '{value}'") from None
 
 
-def _show(value: Any) -> str | None:
+def show_default(value: Any) -> str | None:
     """A default as the help shows it (None: nothing to show)."""
     if value is None:
         return None
@@ -93,7 +93,7 @@ def _option(f: dataclasses.Field, hint: Any) -> tuple[inspect.Parameter, Callabl
     conversion of its value."""
     meta = f.metadata
     default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-    shown = meta["shown"] or _show(default)
+    shown = meta["shown"] or show_default(default)
     help_text = f"{meta['help'].rstrip('.')} [{shown}]." if shown not in (None, "") else meta["help"]
     args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
     if meta["repeat"]:

@@ -7,7 +7,7 @@ import dataclasses
 
 import typer
 
-from cli.common import _show
+from cli.common import show_default
 from cli.main import app
 from edgekv.config import CONFIG_CLASSES
 
@@ -31,7 +31,7 @@ def test_every_option_walks_back_to_one_field_of_the_commands_config():
             field = fields[flag]
             assert option.default is None, f"{name} --{flag}: a default on the option (it belongs to the field)"
             default = field.default_factory() if field.default is dataclasses.MISSING else field.default
-            shown = field.metadata["shown"] or _show(default)
+            shown = field.metadata["shown"] or show_default(default)
             if shown:
                 assert f"[{shown}]" in option.help, f"{name} --{flag}: the help does not show the field's default"
             checked += 1
