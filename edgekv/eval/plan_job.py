@@ -150,7 +150,7 @@ def run_plan(cfg: PlanConfig, progress=None) -> dict:
     losses = quality_losses(rows, cfg.dataset, ecfg.seed)
     fixed = [s for s in cfg.sweep if s in ecfg.strategies]
     candidates = build_candidates(a, req.system, losses, cfg.splits)
-    profile_exports = [(parse_strategy(s).base, str(a.export(parse_strategy(s), req.system)[0])) for s in fixed]
+    profile_exports = [(st.base, str(a.export(st, req.system)[0])) for st in map(parse_strategy, fixed)]
     profile = measure_profile(a.edge, a.cloud, req.system, req.user, profile_exports,
                               out / "work" / "kvcache", cfg.reps)
     for c in candidates:  # a codec the profile did not load decodes about as fast as the closest one measured
@@ -209,8 +209,11 @@ def _sweep(a: Artefacts, cfg: PlanConfig, profile: Profile, req, user, fixed: li
     for mbps in cfg.sweep_mbps:
         link = Link(mbps, cfg.sweep_latency_ms)
         for s in strategies:
-            c = cands[s] = Candidate(s) if s in ("edge-only", "cloud-only") else candidate_from_export(
-                str(a.export(parse_strategy(s), req.system)[0]), parse_strategy(s).base, source=s)
+            if s in ("edge-only", "cloud-only"):
+                c = cands[s] = Candidate(s)
+            else:
+                st = parse_strategy(s)
+                c = cands[s] = candidate_from_export(str(a.export(st, req.system)[0]), st.base, source=s)
             times = _measure(a, c, req, user, link, out, cfg.reps)
             rows.append({"strategy": s, "mbps": mbps, "latency_ms": cfg.sweep_latency_ms, "mb": c.bytes / 2**20,
                          "measured_s": statistics.median(times), "predicted_s": predict(c, profile, link),
