@@ -13,6 +13,13 @@ def distill(cfg: DistillConfig) -> None:
     """Train an edge-shaped system-prompt KV so the edge predicts what the teacher predicts reading the prompt."""
     with progress_bar() as progress:
         summary = run_distill(cfg, progress)
+    if "shared" in summary:
+        s = summary["shared"]["shared_prefix"]
+        start = "–" if s["initial_held_out_kl"] is None else f"{s['initial_held_out_kl']:.4f}"
+        console.print(f"shared prefix of {cfg.shared_tokens} tokens → {summary['shared']['out']}: "
+                      f"{s['prompts']} prompts ({len(s['held_out_prompts'])} held out), held-out KL {start} → "
+                      f"{s['held_out_kl']:.4f} (best step {s['best_step']} of {s['steps']})")
+        return
     table = Table(title=f"distilled {summary['done']} of {summary['prompts']} system prompts")
     for column in ("prompt", "P → P'", "held-out KL (step 0 → best)", "best step", "bytes", "× vs full fp16"):
         table.add_column(column, justify="right")

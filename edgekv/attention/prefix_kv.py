@@ -240,3 +240,27 @@ def continuation_nll(model: torch.nn.Module, prefix: PrefixKV, user: torch.Tenso
     logits = continuation_logits(model, prefix, torch.cat([user, continuation[:-1]]))[user.numel() - 1:]
     target = continuation[:, None].to(logits.device)
     return -torch.log_softmax(logits.float(), dim=-1).gather(-1, target).mean()
+
+
+def prefill_after(model: torch.nn.Module, prefix: PrefixKV, ids: torch.Tensor) -> list[KVPair]:
+    """The model's own KV (1, kv_heads, tokens, d) of `ids` read after `prefix` (positions from its
+    `next_position`), every layer; differentiable in the prefix's tensors when gradients are on. An empty prefix
+    is the plain prefill (`prefix_kv`), bit for bit."""
+    if prefix.prefix_len == 0 and prefix.next_position == 0:
+        return prefix_kv(model, ids)
+    cache = prefix.request_cache()
+    device = model_device(model)
+    positions = torch.arange(prefix.next_position, prefix.next_position + ids.numel(), device=device)[None]
+    model(input_ids=ids[None].to(device), cache=cache, position_ids=positions, use_cache=True, logits_to_keep=1,
+          **prefix.attention_kwargs())
+    return [(layer.keys.clone(), layer.values.clone()) if not torch.is_grad_enabled() else (layer.keys, layer.values)
+            for layer in cache.layers]
+
+
+def joined(first: PrefixKV, then: list[KVPair], next_position: int | None = None) -> PrefixKV:
+    """One prefix of `first`'s tokens followed by `then`'s (e.g. a shared prefix and a prompt read after it);
+    differentiable in both."""
+    layers = [(torch.cat([k, tk.to(k.dtype)], 2), torch.cat([v, tv.to(v.dtype)], 2))
+              for (k, v), (tk, tv) in zip((first.layer(i) for i in range(first.num_layers)), then)]
+    n = first.prefix_len + then[0][0].shape[2]
+    return PrefixKV(layers, n, next_position=n if next_position is None else next_position)

@@ -36,6 +36,7 @@ from edgekv.distill.student import (
     split_samples,
     train_student,
 )
+from edgekv.distill.shared import run_shared
 from edgekv.distill.synthetic import synthetic_set
 from edgekv.distill.teacher import (
     INSTRUCTION,
@@ -115,6 +116,15 @@ class DistillConfig(ModelSettings):
     prune_ratio: float = 0.0  # ThinK on top of the trained KV
     window: int = 32
     seed: int = seed_setting()
+    # a shared prefix trained once across --prompts (issue 37, distill/shared.py) instead of an export per prompt
+    train_shared: bool = setting(False, "Train one shared prefix across --prompts (written to OUT/prefix).",
+                                 toggle="--train-shared/--per-prompt")
+    shared_tokens: int = setting(32, "K: tokens of the shared prefix.")
+    shared_init: str = "The text below is a document. A question or an instruction about it follows, then a " \
+                       "careful answer that uses the document. "  # the prefix's first K tokens (repeated to K)
+    held_prompts: int = setting(2, "Training prompts held out for the shared prefix's early stopping.")
+    held_samples: int = 8  # exchanges per held-out prompt the held-out KL is measured on
+    grad_through_prompt: bool = True  # the gradient runs through the prompt's prefill after the prefix
     catalog: str | None = setting(None, "Also put each export in this catalog (folder or fsspec URL).")
     ray: str | None = ray_setting()
     workers: int = workers_setting()
@@ -153,6 +163,15 @@ class DistillConfig(ModelSettings):
             raise EdgeKVError("held_out must be in (0, 1); top_k, eval_every and patience ≥ 1")
         if self.batch < 1 or self.freeze_first < 0:
             raise EdgeKVError("batch must be ≥ 1 and freeze_first ≥ 0")
+        if self.train_shared:
+            if self.prompts is None or self.ray is not None or self.catalog is not None:
+                raise EdgeKVError("--train-shared trains on --prompts (a JSONL of training prompts), in this process, "
+                                  "without --catalog")
+            if self.on_policy:
+                raise EdgeKVError("--train-shared uses teacher answers only (--on-policy 0): on-policy samples are "
+                                  "drawn from a per-prompt student")
+            if self.shared_tokens < 0 or self.held_prompts < 1 or self.held_samples < 1:
+                raise EdgeKVError("--shared-tokens must be ≥ 0, --held-prompts and held_samples ≥ 1")
 
 
 def prompts_of(cfg: DistillConfig) -> list[tuple[str, str]]:
@@ -287,6 +306,11 @@ def run_distill(cfg: DistillConfig, progress=None, models: tuple[LoadedModel, Lo
     edge) already loaded (in-process only); the cloud is never loaded for `--teacher self`."""
     cfg.validate()
     prompts = prompts_of(cfg)
+    if cfg.train_shared:
+        worker = DistillWorker(cfg, models, progress)
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
+        write_text_atomic(Path(cfg.out) / "config.json", json.dumps(to_dict(cfg), indent=1))
+        return {"shared": run_shared(cfg, worker.edge, worker.teacher, prompts, worker.tasks)}
     use_ray = cfg.ray is not None
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ whole prompt when P' = P, else of P' tokens chosen by `select_tokens`), learns b
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -139,9 +140,23 @@ def split_samples(samples: list[Sample], held_out: float, seed: int) -> tuple[li
 
 def train_student(cfg: Any, edge: LoadedModel, student: Student, train: list[Sample], held: list[Sample],
                   checkpoint: Path, tasks: Tasks) -> tuple[list[dict], dict]:
-    """train_loop on the student (`cfg`: a DistillConfig), held-out KL every `eval_every` steps; the best held-out
-    state is kept (in the checkpoint, so a resumed run knows it) and restored at the end; stops after `patience`
-    evaluations without improvement."""
+    """train_loop on the student (`cfg`: a DistillConfig), `cfg.batch` sequences a step, held-out KL every
+    `eval_every` steps (see `train_prefix`)."""
+
+    def loss(step: int) -> torch.Tensor:
+        prefix = student.prefix()
+        picks = [train[example_index(step * cfg.batch + j, len(train), cfg.seed)] for j in range(cfg.batch)]
+        return sum(sample_loss(edge, prefix, s, cfg.query_loss) for s in picks) / cfg.batch
+
+    return train_prefix(cfg, edge, student, loss, lambda: held_out_kl(edge, student, held), checkpoint, tasks,
+                        "train the student")
+
+
+def train_prefix(cfg: Any, edge: LoadedModel, student: Student, loss: Callable[[int], torch.Tensor],
+                 held_kl: Callable[[], float], checkpoint: Path, tasks: Tasks, title: str) -> tuple[list[dict], dict]:
+    """train_loop on a trainable prefix (`cfg`: lr, steps, eval_every, patience) with the step's `loss`; the
+    held-out KL every `eval_every` steps; the best held-out state is kept (in the checkpoint, so a resumed run
+    knows it) and restored at the end; stops after `patience` evaluations without improvement."""
     best_path = checkpoint / "best.safetensors"
     best = {"step": 0, "kl": float("inf")}
     if best_path.exists() and (checkpoint / "best.json").exists():
@@ -149,7 +164,7 @@ def train_student(cfg: Any, edge: LoadedModel, student: Student, train: list[Sam
     snapshot: dict[str, torch.Tensor] = {}
 
     def evaluate(step: int) -> dict:
-        kl = held_out_kl(edge, student, held)
+        kl = held_kl()
         if kl < best["kl"]:
             best.update(step=step, kl=kl)
             snapshot.clear()
@@ -161,22 +176,16 @@ def train_student(cfg: Any, edge: LoadedModel, student: Student, train: list[Sam
             write_tensors_atomic(best_path, snapshot)
             write_text_atomic(path / "best.json", json.dumps(best))
 
-    def loss(step: int) -> torch.Tensor:
-        prefix = student.prefix()
-        picks = [train[example_index(step * cfg.batch + j, len(train), cfg.seed)] for j in range(cfg.batch)]
-        return sum(sample_loss(edge, prefix, s, cfg.query_loss) for s in picks) / cfg.batch
-
     trainee = Trainee([{"params": student.parameters()}], loss, save=save, evaluate=evaluate, frozen=[edge.model])
     stop = lambda step: step - best["step"] >= cfg.patience * cfg.eval_every  # noqa: E731
     log_ = []
     if cfg.steps:
-        log_ = train_loop(trainee, cfg.steps, cfg.lr, checkpoint, cfg.eval_every,
-                          tasks.task("train the student", cfg.steps), stop)
+        log_ = train_loop(trainee, cfg.steps, cfg.lr, checkpoint, cfg.eval_every, tasks.task(title, cfg.steps), stop)
     if not snapshot and best_path.exists():
         snapshot.update(load_file(str(best_path)))
     with torch.no_grad():
         for n, t in snapshot.items():
             student.tensors[n].copy_(t)
     if best["kl"] == float("inf"):
-        best["kl"] = held_out_kl(edge, student, held)
+        best["kl"] = held_kl()
     return log_, best

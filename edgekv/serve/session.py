@@ -14,6 +14,7 @@ import torch
 from edgekv import EdgeKVError
 from edgekv.attention.fuse import enable_fusion
 from edgekv.attention.prefix_kv import continuation_nll
+from edgekv.kv.shared_prefix import SharedPrefix
 from edgekv.models.loading import LoadedModel, eos_ids
 from edgekv.models.structure import context_limit
 from edgekv.serve.engine import Engine
@@ -29,12 +30,12 @@ class EdgeSession:
 
     def __init__(self, edge: LoadedModel, kv: str | None = None, system_prompt: str | None = None,
                  link: Link | None = None, cache_dir: str | Path | None = None, local_sink_tokens: int | None = None,
-                 peer_kv: str | None = None, system: SystemKV | None = None):
+                 peer_kv: str | None = None, system: SystemKV | None = None, shared: SharedPrefix | None = None):
         """The system KV from an export `kv` (with its fallbacks) or the edge's own prefill of `system_prompt`
-        (see SystemKV), or an already built `system`."""
+        (see SystemKV; under a `shared` prefix), or an already built `system`."""
         self.edge, self.model = edge, edge.model
         self.system = system if system is not None else SystemKV(edge, kv, system_prompt, link, cache_dir,
-                                                                 local_sink_tokens, peer_kv)
+                                                                 local_sink_tokens, peer_kv, shared)
         self.eos_ids = eos_ids(edge)
         # edgekv's attention on the model itself: a full prefill of the same model (generate) then computes what
         # the session computes (decode steps and query blocks through the grouped flash path)

@@ -22,7 +22,7 @@ import torch
 
 from edgekv import EdgeKVError
 from edgekv.attention.fuse import enable_fusion
-from edgekv.attention.prefix_kv import PrefixKV, prefix_kv
+from edgekv.attention.prefix_kv import PrefixKV, prefill_after, prefix_kv
 from edgekv.kv.export import (
     Expect,
     FetchError,
@@ -34,6 +34,7 @@ from edgekv.kv.export import (
     write_copy,
 )
 from edgekv.kv.fusers import Fuser
+from edgekv.kv.shared_prefix import SharedPrefix, refuse_prefixed, under
 from edgekv.kv.unpack import decode_layer, edge_kv
 from edgekv.models.loading import LoadedModel
 from edgekv.models.structure import KVPair, attn_shape, check_context, decoder_layers, model_device
@@ -47,8 +48,10 @@ class SystemKV(PrefixKV):
 
     def __init__(self, edge: LoadedModel, kv: str | None = None, system_prompt: str | None = None,
                  link: Link | None = None, cache_dir: str | Path | None = None, local_sink_tokens: int | None = None,
-                 peer_kv: str | None = None):
-        """From an export `kv` (with the fallbacks), or the edge's own prefill of `system_prompt`."""
+                 peer_kv: str | None = None, shared: SharedPrefix | None = None):
+        """From an export `kv` (with the fallbacks), or the edge's own prefill of `system_prompt`; under a
+        `shared` prefix, its K tokens come first and the prompt is read after them (local prefill only: an export
+        must have been made under the same prefix)."""
         self.edge, self.model, self.link = edge, edge.model, link or Link()
         self.dtype = next(self.model.parameters()).dtype
         super().__init__(None, 0, num_layers=len(decoder_layers(self.model)))
@@ -78,6 +81,14 @@ class SystemKV(PrefixKV):
         self.prefix_len = int(manifest.get("kv_tokens", self.system_ids.numel()))
         self.next_position = int(manifest.get("next_position", self.prefix_len))
         self.distilled = "distilled" in manifest
+        self.shared = shared
+        if shared is not None:
+            if self.export is not None:
+                shared.check(manifest.get("under_shared"), f"the KV export {kv}")
+            self.prefix_len += shared.tokens
+            self.next_position += shared.tokens
+        elif self.export is not None:
+            refuse_prefixed(manifest.get("under_shared"), f"the KV export {kv}")
         check_context(self.model.config, max(self.next_position, self.prefix_len), "the system prompt")
         self.splice = self.export.manifest.get("splice", "replace") if self.export is not None else "replace"
         if self.splice == "fuse":
@@ -134,7 +145,12 @@ class SystemKV(PrefixKV):
         if self.prefix_len:
             peer = self._peer_shallow(self.start_layer) if self.peer_kv and self.start_layer else None
             self.shallow_source = "peer" if peer is not None else "local"
-            self.shallow = peer if peer is not None else prefix_kv(self.model, self.system_ids, self.start_layer)
+            if self.shared is not None:  # the edge alone: [prefix | the prompt read after it]
+                own = prefill_after(self.model, self.shared.prefix, self.system_ids) if self.system_ids.numel() \
+                    else [(k[:, :, :0], v[:, :, :0]) for k, v in map(self.shared.prefix.layer, range(self.num_layers))]
+                self.shallow = under(self.shared, own)
+            else:
+                self.shallow = peer if peer is not None else prefix_kv(self.model, self.system_ids, self.start_layer)
         else:
             _, kv_heads, head_dim = attn_shape(self.model)
             empty = torch.zeros(1, kv_heads, 0, head_dim, dtype=self.dtype, device=model_device(self.model))
@@ -244,6 +260,8 @@ class SystemKV(PrefixKV):
         out = {"source": self.source, "shallow_source": self.shallow_source,
                "system_prompt_tokens": self.prefix_len, "start_layer": self.start_layer,
                "sink_tokens": self.sink_tokens, "splice": self.splice, **self.timings}
+        if self.shared is not None:
+            out["shared_prefix"] = self.shared.describe()
         if self.splice == "fuse":
             out["fused_layers"] = self.loader.layers
         if self.loader is not None:

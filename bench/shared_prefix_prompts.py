@@ -1,0 +1,62 @@
+"""The shared prefix's training prompts (issue 37), never any eval sample's: XSum records 107.. (the eval samples
+records 0..106), ShareGPT conversations from record 8,000 (the eval scans 5,000..7,999), and the MMLU 5-shot system
+prompts of subjects the eval's seeded draw does not pick. One {"name", "system_prompt", "source"} per line, the
+sources interleaved, system prompts cut to the eval's 512 tokens.
+
+    python -m bench.shared_prefix_prompts --per-source 16 --out reports/shared-prefix/train.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from edgekv.atomic import write_text_atomic
+from edgekv.eval.datasets import load_requests, mmlu
+from edgekv.models.loading import load_tokenizer
+
+EVAL = dict(max_system_tokens=512, min_system_tokens=32, max_user_tokens=192)
+
+
+def training_prompts(tok, per_source: int, sources: list[str], seed: int = 0) -> list[dict]:
+    """`per_source` prompts of each source, interleaved, none from an eval sample."""
+    lists = {}
+    if "xsum" in sources:
+        lists["xsum"] = [(r.id, r.system) for r in load_requests("xsum", tok, per_source, seed, None, **EVAL,
+                                                                 xsum_from=107)]
+    if "sharegpt" in sources:
+        lists["sharegpt"] = [(r.id, r.system) for r in load_requests("sharegpt", tok, per_source, seed, None, **EVAL,
+                                                                     sharegpt_offset=8000)]
+    if "mmlu" in sources:  # the eval draws 4 subjects with its seed (0); their system prompts are never trained on
+        taken = {r.id.rsplit("-", 1)[0] for r in load_requests("mmlu", tok, 10_000, 0, None, **EVAL)}
+        seen, rows = set(), []
+        for r in mmlu():
+            subject = r.id.rsplit("-", 1)[0]
+            if subject not in taken and subject not in seen:
+                seen.add(subject)
+                rows.append((subject, r.system))
+        lists["mmlu"] = rows[:per_source]
+    out = []
+    for k in range(per_source):
+        for source, rows in lists.items():
+            if k < len(rows):
+                out.append({"name": f"{source}-{rows[k][0]}", "system_prompt": rows[k][1], "source": source})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--per-source", type=int, default=16)
+    ap.add_argument("--sources", default="xsum,sharegpt,mmlu")
+    ap.add_argument("--edge", default="default-edge")
+    ap.add_argument("--out", type=Path, default=Path("reports/shared-prefix/train.jsonl"))
+    args = ap.parse_args()
+    rows = training_prompts(load_tokenizer(args.edge), args.per_source, args.sources.split(","))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(args.out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    print(f"{len(rows)} training prompts → {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""A cloud-distilled shared prefix (issue 37): K trainable edge-shaped KV tokens of every layer, placed before every
+system prompt and trained ONCE across many training prompts, so that the edge reading [prefix | prompt] predicts
+what the teacher predicts reading the prompt alone. Per-prompt distillation can only relearn the cloud's general
+lead (how it writes) from a few dozen answers of each prompt; a prefix trained across prompts keeps it once
+(prefix tuning, Li & Liang 2021, with Cartridges' frozen model and a teacher's targets instead of labels).
+
+Each training prompt's synthetic set is `edgekv distill`'s own (`synthetic.py`: the same teacher, queries and
+top-k targets, kept per prompt, so a later per-prompt run reuses them). A step takes one training prompt (a
+seeded order) and `batch` of its exchanges: the edge prefills the prompt *after* the current prefix (the gradient
+runs through that prefill too, unless `grad_through_prompt` is off: then the prompt's KV under the current prefix
+is a constant of the step) and the loss is the top-k KL of `student.sample_loss`. Whole training prompts are held
+out for early stopping. The result is a `shared-prefix` export (`edgekv.kv.shared_prefix`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from edgekv import EdgeKVError
+from edgekv.atomic import write_text_atomic
+from edgekv.attention.prefix_kv import joined, prefill_after, prefix_kv
+from edgekv.distill.student import Student, sample_loss, train_prefix
+from edgekv.distill.synthetic import synthetic_set
+from edgekv.distill.teacher import Sample
+from edgekv.kv.shared_prefix import write_shared_prefix
+from edgekv.kv.train_loop import example_index
+from edgekv.models.loading import LoadedModel
+from edgekv.models.structure import attn_shape, model_device
+from edgekv.plots import loss_curve
+from edgekv.progress import Tasks
+
+
+def init_ids(edge: LoadedModel, text: str, tokens: int) -> torch.Tensor:
+    """The K token ids the prefix starts from: `text` tokenized (with the model's special tokens), repeated to
+    length K and cut there."""
+    ids = edge.tokenizer(text, add_special_tokens=True)["input_ids"]
+    more = edge.tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not more:
+        raise EdgeKVError("shared_init must be a non-empty text")
+    while len(ids) < tokens:
+        ids += more
+    return torch.tensor(ids[:tokens], dtype=torch.long)
+
+
+def initial_prefix(edge: LoadedModel, ids: torch.Tensor, freeze_first: int) -> Student:
+    """The trainable prefix at step 0: the edge's own prefill of `ids` (K tokens at positions 0..K−1)."""
+    if ids.numel():
+        init = prefix_kv(edge.model, ids)
+    else:
+        _, kv_heads, head_dim = attn_shape(edge.model)
+        empty = torch.zeros(1, kv_heads, 0, head_dim, dtype=next(edge.model.parameters()).dtype,
+                            device=model_device(edge.model))
+        init = [(empty, empty)] * edge.num_layers
+    return Student(init, ids.numel(), freeze_first=min(freeze_first, ids.numel()))
+
+
+def prompts_hash(prompts: list[tuple[str, str]]) -> str:
+    """sha256 of the training prompts (names and texts, in order)."""
+    return hashlib.sha256(json.dumps(prompts, ensure_ascii=False).encode()).hexdigest()
+
+
+def split_prompts(n: int, held: int, seed: int) -> tuple[list[int], list[int]]:
+    """(training prompt indices, held-out prompt indices): `held` whole prompts out by a seeded shuffle."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return sorted(order[held:]), sorted(order[:held])
+
+
+def reading(edge: LoadedModel, student: Student, ids: torch.Tensor, grad: bool = True):
+    """What the edge reads for a prompt under the current prefix: [prefix | the prompt prefilled after it]."""
+    prefix = student.prefix()
+    with contextlib.nullcontext() if grad else torch.no_grad():
+        own = prefill_after(edge.model, prefix, ids)
+    return joined(prefix, own)
+
+
+def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel, prompts: list[tuple[str, str]],
+               tasks: Tasks) -> dict:
+    """Train the shared prefix on `prompts` under `cfg.out` (resumable: synthetic sets per prompt, the training
+    checkpoint) and write it to `cfg.out/prefix`; returns the report (also `report.json`)."""
+    out = Path(cfg.out)
+    if (out / "prefix" / "manifest.json").exists() and (out / "report.json").exists():
+        return json.loads((out / "report.json").read_text(encoding="utf-8"))
+    if len(prompts) < cfg.held_prompts + 1:
+        raise EdgeKVError(f"--train-shared needs more than --held-prompts ({cfg.held_prompts}) training prompts, "
+                          f"got {len(prompts)}")
+    ids = []
+    for name, text in prompts:
+        t = torch.tensor(edge.tokenizer(text, add_special_tokens=True)["input_ids"], dtype=torch.long)
+        if not text.strip() or t.numel() == 0:
+            raise EdgeKVError(f"{name}: the system prompt is empty")
+        ids.append(t)
+    sets: list[list[Sample]] = []
+    start = time.perf_counter()
+    for (name, _), t in zip(prompts, ids):  # the teacher reads each prompt alone: no prefix on its side
+        samples, _ = synthetic_set(cfg, teacher, edge, None, t, out / "synthetic" / name, tasks)
+        sets.append(samples)
+    teach_s = time.perf_counter() - start
+    train_idx, held_idx = split_prompts(len(prompts), cfg.held_prompts, cfg.seed)
+    first = init_ids(edge, cfg.shared_init, cfg.shared_tokens)
+    student = initial_prefix(edge, first, cfg.freeze_first)
+
+    def loss(step: int) -> torch.Tensor:
+        p = train_idx[example_index(step, len(train_idx), cfg.seed)]
+        prefix = reading(edge, student, ids[p], cfg.grad_through_prompt)
+        picks = [sets[p][example_index(step * cfg.batch + j, len(sets[p]), cfg.seed + 1)] for j in range(cfg.batch)]
+        return sum(sample_loss(edge, prefix, s, cfg.query_loss) for s in picks) / cfg.batch
+
+    @torch.no_grad()
+    def held_kl() -> float:
+        kls = []
+        for p in held_idx:
+            prefix = reading(edge, student, ids[p], grad=False)
+            kls += [float(sample_loss(edge, prefix, s)) for s in sets[p][:cfg.held_samples]]
+        return sum(kls) / len(kls)
+
+    start = time.perf_counter()
+    log_, best = train_prefix(cfg, edge, student, loss, held_kl, out / "train", tasks, "train the shared prefix")
+    train_s = time.perf_counter() - start
+    info = {"teacher": cfg.teacher, "teacher_fingerprint": teacher.fingerprint, "prompts": len(prompts),
+            "prompts_sha256": prompts_hash(prompts), "train_prompts": [prompts[i][0] for i in train_idx],
+            "held_out_prompts": [prompts[i][0] for i in held_idx], "steps": log_[-1]["step"] if log_ else 0,
+            "best_step": best["step"], "held_out_kl": best["kl"],
+            "initial_held_out_kl": log_[0].get("held_out_kl") if log_ else None, "lr": cfg.lr, "batch": cfg.batch,
+            "freeze_first": student.freeze_first, "query_loss": cfg.query_loss,
+            "grad_through_prompt": cfg.grad_through_prompt, "init_text": cfg.shared_init, "seed": cfg.seed}
+    path = write_shared_prefix(out / "prefix", edge, student.kv(), first, info, cfg.quant)
+    report = {"out": str(path), "shared_prefix": info, "teach_s": teach_s, "train_s": train_s,
+              "synthetic_samples": sum(map(len, sets)), "log": log_}
+    if log_:
+        loss_curve(log_, out / "loss_curve.png", f"shared prefix: K={cfg.shared_tokens}, {len(train_idx)} prompts")
+    write_text_atomic(out / "report.json", json.dumps(report, indent=1))
+    return report
