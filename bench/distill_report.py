@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgekv.atomic import write_text_atomic
@@ -27,6 +28,20 @@ CONTRASTS = {"distill - fuse": ("distill", "fuse"), "distill-c8 - self-distill-c
              "distill-c8 - truncate-c8": ("distill-c8", "truncate-c8")}
 
 
+@dataclass(frozen=True)
+class Spec:
+    """What a report compares: condition → strategy, named contrasts (condition a − condition b), and the
+    conditions whose share of the gap from `gap_from` (a strategy) to the cloud is reported."""
+
+    conditions: dict[str, str]
+    contrasts: dict[str, tuple[str, str]] = field(default_factory=dict)
+    gaps: dict[str, str] = field(default_factory=dict)  # summary key → condition
+    gap_from: str = "edge-only"
+
+
+DISTILL = Spec(CONDITIONS, CONTRASTS, {"gap_closed_by_distill": "distill"})
+
+
 def _paired(rows: list[dict], a: str, b: str, seed: int, *names: str) -> dict | None:
     by = {(r["strategy"], r["id"]): r.get("ref_nll") for r in rows}
     ids = sorted({r["id"] for r in rows if r["strategy"] == a} & {r["id"] for r in rows if r["strategy"] == b})
@@ -36,34 +51,36 @@ def _paired(rows: list[dict], a: str, b: str, seed: int, *names: str) -> dict | 
     return {"n": d["n"], "delta_mean": d["delta_mean"], "delta_ci95": [d["ci95_lo"], d["ci95_hi"]]}
 
 
-def distill_summary(rows: list[dict], seed: int = 0) -> dict:
+def distill_summary(rows: list[dict], seed: int = 0, spec: Spec = DISTILL) -> dict:
     """{source: {condition: {n, delta_mean, delta_ci95}, contrasts, gap_closed, bytes, cost}} per dataset."""
     out: dict[str, dict] = {}
+    every = {**spec.conditions, "edgeprompt": REFERENCE}
     for source in dict.fromkeys(r["dataset"] for r in rows):
         here = [r for r in rows if r["dataset"] == source]
         cells: dict[str, dict] = {}
-        for cond, strategy in CONDITIONS.items():
+        for cond, strategy in spec.conditions.items():
             p = _paired(here, strategy, REFERENCE, seed, source, cond)
             if p is not None:
                 cells[cond] = p
-        for name, (a, b) in CONTRASTS.items():
-            p = _paired(here, CONDITIONS[a], CONDITIONS[b], seed, source, name)
+        for name, (a, b) in spec.contrasts.items():
+            p = _paired(here, spec.conditions[a], spec.conditions[b], seed, source, name)
             if p is not None:
                 cells[name] = p
         nll = {(r["strategy"], r["id"]): r.get("ref_nll") for r in here}
-        ids = sorted({i for s, i in nll if s == "ce-lslm-distill"} & {i for s, i in nll if s == "edge-only"}
-                     & {i for s, i in nll if s == "cloud-only"})
-        if ids:
-            cells["gap_closed_by_distill"] = gap_closed([nll["edge-only", i] for i in ids],
-                                                        [nll["ce-lslm-distill", i] for i in ids],
-                                                        [nll["cloud-only", i] for i in ids], cell_seed(seed, source))
+        for key, cond in spec.gaps.items():
+            method = spec.conditions[cond]
+            ids = sorted({i for s, i in nll if s == method} & {i for s, i in nll if s == spec.gap_from}
+                         & {i for s, i in nll if s == "cloud-only"})
+            if ids:
+                cells[key] = gap_closed([nll[spec.gap_from, i] for i in ids], [nll[method, i] for i in ids],
+                                        [nll["cloud-only", i] for i in ids], cell_seed(seed, source))
         cells["bytes_mean"] = {c: mean([r["bytes_cloud_to_edge"] for r in here if r["strategy"] == s])
-                               for c, s in {**CONDITIONS, "edgeprompt": REFERENCE}.items()}
+                               for c, s in every.items()}
         cells["cloud_s_median"] = {c: median([r["cloud_s"] for r in here if r["strategy"] == s])
-                                   for c, s in {**CONDITIONS, "edgeprompt": REFERENCE}.items()}
+                                   for c, s in every.items()}
         if source == "mmlu":
             cells["accuracy"] = {c: mean([r.get("correct") for r in here if r["strategy"] == s])
-                                 for c, s in {**CONDITIONS, "edgeprompt": REFERENCE}.items()}
+                                 for c, s in every.items()}
         out[source] = cells
     return out
 
@@ -97,10 +114,10 @@ def distill_costs(runs: list[Path], out: Path | None = None) -> dict:
     return costs
 
 
-def write_distill_report(runs: list[Path], out: Path, seed: int = 0) -> dict:
+def write_distill_report(runs: list[Path], out: Path, seed: int = 0, spec: Spec = DISTILL) -> dict:
     """summary.json and rows.jsonl (the runs' rows of the compared strategies) into `out`; costs.json and
     loss_curves/ where the runs' work folders are at hand."""
-    keep = {*CONDITIONS.values(), REFERENCE}
+    keep = {*spec.conditions.values(), REFERENCE, spec.gap_from}
     rows = [json.loads(line) for run in runs for line in (run / "results.jsonl").read_text(encoding="utf-8")
             .splitlines() if line.strip()]
     rows = [r for r in rows if r["strategy"] in keep]
@@ -111,7 +128,7 @@ def write_distill_report(runs: list[Path], out: Path, seed: int = 0) -> dict:
         answered.setdefault((r["dataset"], r["id"]), set()).add(r["strategy"])
     ran = {r["strategy"] for r in rows}
     rows = [r for r in rows if answered[(r["dataset"], r["id"])] == ran]
-    summary = distill_summary(rows, seed)
+    summary = distill_summary(rows, seed, spec)
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "rows.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     write_text_atomic(out / "summary.json", json.dumps(summary, indent=1))
@@ -119,7 +136,7 @@ def write_distill_report(runs: list[Path], out: Path, seed: int = 0) -> dict:
         write_text_atomic(out / "costs.json", json.dumps(costs, indent=1))
     ci = {src: drawn for src, cells in summary.items()  # the paired cells with an interval (n ≥ 2)
           if (drawn := {k: v for k, v in cells.items()
-                        if (k in CONDITIONS or k in CONTRASTS) and v["delta_ci95"][0] is not None})}
+                        if (k in spec.conditions or k in spec.contrasts) and v["delta_ci95"][0] is not None})}
     if ci:
         interval_plot(ci, out / "delta_nll.png",
                       "reference NLL vs EdgePrompt's exact KV (and contrasts), paired, 95 % bootstrap")

@@ -118,9 +118,8 @@ def test_the_edge_alone_reads_prefix_then_prompt(pair, prompts, tmp_path):
 
 def test_k0_is_edgeprompt_exactly(pair, tiny_models, tmp_path):
     _, edge = pair
-    ids = torch.tensor(edge.tokenizer("x")["input_ids"][:0])
-    empty = [(k[0, :, :0], v[0, :, :0]) for k, v in prefix_kv(edge.model, torch.tensor(edge.tokenizer("x")["input_ids"]))]
-    write_shared_prefix(tmp_path / "k0", edge, empty, ids, {"steps": 0})
+    empty = [(k[0, :, :0], v[0, :, :0]) for k, v in prefix_kv(edge.model, torch.tensor([1, 2]))]
+    write_shared_prefix(tmp_path / "k0", edge, empty, torch.tensor([], dtype=torch.long), {"steps": 0})
     shared = SharedPrefix(tmp_path / "k0", edge)
     assert shared.tokens == 0
     params = SamplingParams(max_new_tokens=10)
@@ -163,3 +162,156 @@ def test_bad_input_is_one_line_and_writes_nothing(tiny_models, prompts, tmp_path
                             "float32", "--out", str(tmp_path / "o"), "--steps", "1", "--queries", "2", *args])
     assert r.exit_code != 0 and message in r.output and "Traceback" not in r.output
     assert not (tmp_path / "o" / "prefix").exists()
+
+
+def _compress(edge_dir, out, shared=None):
+    from edgekv.kv.compress_job import CompressConfig, run_compress
+
+    run_compress(CompressConfig(out=str(out), cloud=edge_dir, edge=edge_dir, system_prompt=PROMPT, dtype="float32",
+                                quant="fp32", start_layer=0, shared=shared and str(shared)))
+    return out
+
+
+def test_spliced_export_under_the_prefix_equals_the_edge_alone(pair, tiny_models, prompts, tmp_path):
+    cloud, edge = pair
+    trained = run_distill(_cfg(tmp_path / "t", prompts, steps=4), models=(cloud, edge))["shared"]["out"]
+    other = run_distill(_cfg(tmp_path / "o", prompts, steps=0, shared_tokens=4), models=(cloud, edge))["shared"]["out"]
+    shared = SharedPrefix(trained, edge)
+    kv = _compress(tiny_models["edge"], tmp_path / "kv", trained)
+    manifest = json.loads((kv / "manifest.json").read_text())
+    assert manifest["under_shared"]["fingerprint"] == shared.fingerprint
+    n = manifest["system_prompt"]["num_tokens"]  # the export holds the prompt's tokens only
+    spliced = EdgeSession(edge, str(kv), cache_dir=tmp_path / "c", shared=shared)
+    alone = EdgeSession(edge, None, system_prompt=PROMPT, shared=shared)
+    assert spliced.prefix_len == alone.prefix_len == shared.tokens + n == spliced.system.next_position
+    for i in range(edge.num_layers):
+        torch.testing.assert_close(spliced.system.layer(i)[0], alone.system.layer(i)[0], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(spliced.system.layer(i)[1], alone.system.layer(i)[1], atol=1e-6, rtol=1e-6)
+    params = SamplingParams(max_new_tokens=12)
+    assert spliced.complete("User: hi", params).token_ids == alone.complete("User: hi", params).token_ids
+    # refused without the prefix, under another one, and the other way round
+    with pytest.raises(EdgeKVError, match="give it with --shared"):
+        EdgeSession(edge, str(kv), cache_dir=tmp_path / "c2")
+    with pytest.raises(EdgeKVError, match="under shared prefix"):
+        EdgeSession(edge, str(kv), cache_dir=tmp_path / "c3", shared=SharedPrefix(other, edge))
+    # a heterogeneous cloud cannot read an edge-shaped prefix
+    from edgekv.kv.compress_job import CompressConfig, run_compress
+
+    with pytest.raises(EdgeKVError, match="same model"):
+        run_compress(CompressConfig(out=str(tmp_path / "h"), cloud=tiny_models["cloud"], edge=tiny_models["edge"],
+                                    system_prompt=PROMPT, dtype="float32", shared=trained, translator="ridge",
+                                    splice="replace"))
+    assert not (tmp_path / "h").exists()
+
+
+def test_k0_compress_is_edgeprompt_exactly(pair, tiny_models, tmp_path):
+    from edgekv.kv.export import KVExport
+
+    _, edge = pair
+    empty = [(k[0, :, :0], v[0, :, :0]) for k, v in prefix_kv(edge.model, torch.tensor([1, 2]))]
+    write_shared_prefix(tmp_path / "k0", edge, empty, torch.tensor([], dtype=torch.long), {"steps": 0})
+    under = KVExport(_compress(tiny_models["edge"], tmp_path / "a", tmp_path / "k0"))
+    plain = KVExport(_compress(tiny_models["edge"], tmp_path / "b"))
+    for i in plain.layer_indices:
+        for name, t in plain.layer(i).items():
+            assert torch.equal(t, under.layer(i)[name])
+
+
+def test_eval_edgeprompt_shared(pair, tiny_models, prompts, tmp_path):
+    from edgekv.eval.eval_config import EvalConfig
+    from edgekv.eval.eval_job import run_eval
+
+    cloud, edge = pair
+    shared = run_distill(_cfg(tmp_path / "t", prompts, steps=2), models=(cloud, edge))["shared"]["out"]
+    distill = tmp_path / "distill.yaml"
+    distill.write_text("distill:\n  queries: 4\n  max_answer_tokens: 6\n  steps: 2\n  eval_every: 1\n  quant: fp32\n")
+    xsum = tmp_path / "xsum.jsonl"
+    xsum.write_text("".join(json.dumps({"id": str(i), "document": f"A council approved a cycle lane, item {i}. " * 3,
+                                        "summary": f"A lane, item {i}."}) + "\n" for i in range(2)))
+    cfg = dict(out=str(tmp_path / "run"), cloud=tiny_models["cloud"], edge=tiny_models["edge"], dtype="float32",
+               limit=2, max_new_tokens=4, datasets=["xsum"], xsum_source=str(xsum), min_system_tokens=8,
+               strategies=["edgeprompt", "edgeprompt-shared", "ce-lslm-distill-shared@c4", "oracle-kv", "cloud-nosys",
+                           "edge-nosys", "notes"],
+               distill_config=str(distill), notes_instruction="\nNotes:", notes_tokens=8)
+    with pytest.raises(EdgeKVError, match="needs shared"):
+        EvalConfig(**cfg).validate()
+    run_eval(EvalConfig(**cfg, shared=shared), models=(cloud, edge))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
+    by = {(r["strategy"], r["id"]): r for r in rows}
+    assert len(rows) == 14
+    for (s, i), r in by.items():
+        if s == "oracle-kv":  # trained on the request's own reference: a bound, its cloud seconds counted
+            assert r["cloud_s"] > 0 and r["ref_nll"] != by[("edgeprompt", i)]["ref_nll"]
+            assert r["system_tokens"] == by[("edgeprompt", i)]["system_tokens"]
+        if s == "notes":  # the prompt and the cloud's notes, both shipped as EdgePrompt's KV
+            assert r["system_tokens"] > by[("edgeprompt", i)]["system_tokens"]
+            assert r["bytes_cloud_to_edge"] > by[("edgeprompt", i)]["bytes_cloud_to_edge"] and r["cloud_s"] > 0
+        if s.endswith("nosys"):  # the user prompt alone
+            assert r["system_tokens"] == 0
+        if s.startswith("ce-lslm-distill-shared"):  # P/4 student tokens after the prefix's 6
+            assert r["system_tokens"] == 6 + -(-(by[("edgeprompt", i)]["system_tokens"]) // 4) and r["cloud_s"] > 0
+        if s == "edgeprompt-shared":  # K more tokens read, the same prompt bytes shipped
+            assert r["system_tokens"] == by[("edgeprompt", i)]["system_tokens"] + 6
+            assert r["bytes_cloud_to_edge"] == by[("edgeprompt", i)]["bytes_cloud_to_edge"]
+            assert r["ref_nll"] != by[("edgeprompt", i)]["ref_nll"]
+
+
+def test_serve_edge_batch_under_the_prefix(pair, tiny_models, prompts, tmp_path):
+    cloud, edge = pair
+    shared = run_distill(_cfg(tmp_path / "t", prompts, steps=2), models=(cloud, edge))["shared"]["out"]
+    batch = tmp_path / "req.jsonl"
+    batch.write_text(json.dumps({"id": "a", "prompt": "User: hi", "max_tokens": 6}) + "\n")
+    args = ["serve-edge", "--edge", tiny_models["edge"], "--dtype", "float32", "--system-prompt", PROMPT,
+            "--batch", str(batch), "--output", str(tmp_path / "out.jsonl")]
+    r = runner.invoke(app, [*args, "--shared", shared])
+    assert r.exit_code == 0, r.output
+    got = json.loads((tmp_path / "out.jsonl").read_text())["text"]
+    want = EdgeSession(edge, None, system_prompt=PROMPT, shared=SharedPrefix(shared, edge)).complete(
+        "User: hi", SamplingParams(max_new_tokens=6)).text
+    assert got == want
+    r = runner.invoke(app, [*args[:-2], "--output", str(tmp_path / "bad.jsonl"), "--shared", str(tmp_path / "none")])
+    assert r.exit_code != 0 and "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
+    assert not (tmp_path / "bad.jsonl").exists()
+
+
+def test_distill_on_top_of_the_prefix(pair, tiny_models, prompts, tmp_path):
+    cloud, edge = pair
+    trained = run_distill(_cfg(tmp_path / "t", prompts, steps=4), models=(cloud, edge))["shared"]["out"]
+    shared = SharedPrefix(trained, edge)
+    one = dict(out=str(tmp_path / "d"), system_prompt=PROMPT, dtype="float32", instructions=INSTRUCTIONS, queries=4,
+               max_answer_tokens=10, steps=0, quant="fp32", shared=trained)
+    # step 0 with P' = P under the prefix is EdgePrompt under the prefix, token for token
+    report = run_distill(DistillConfig(**one), models=(cloud, edge))["reports"]["prompt"]
+    manifest = json.loads((tmp_path / "d" / "prompt" / "kv" / "manifest.json").read_text())
+    assert manifest["under_shared"]["fingerprint"] == shared.fingerprint
+    kv = _compress(tiny_models["edge"], tmp_path / "kv", trained)
+    params = SamplingParams(max_new_tokens=12)
+    got = EdgeSession(edge, report["out"], cache_dir=tmp_path / "c", shared=shared).complete("User: hi", params)
+    want = EdgeSession(edge, str(kv), cache_dir=tmp_path / "c2", shared=shared).complete("User: hi", params)
+    assert got.token_ids == want.token_ids
+    with pytest.raises(EdgeKVError, match="give it with --shared"):
+        EdgeSession(edge, report["out"], cache_dir=tmp_path / "c3")
+    # trained, shorter: the held-out KL falls and the export continues after K + P'
+    short = run_distill(DistillConfig(**{**one, "out": str(tmp_path / "e"), "steps": 8, "lr": 0.05, "eval_every": 2,
+                                         "compress": 4}), models=(cloud, edge))["reports"]["prompt"]
+    d = short["distilled"]
+    assert d["held_out_kl"] < d["initial_held_out_kl"]
+    session = EdgeSession(edge, short["out"], cache_dir=tmp_path / "c4", shared=shared)
+    assert session.system.next_position == shared.tokens + short["kv_tokens"] == session.prefix_len
+    with pytest.raises(EdgeKVError, match="give one of them"):
+        DistillConfig(**{**one, "train_shared": True, "prompts": str(prompts), "system_prompt": None}).validate()
+
+
+def test_report_pairs_conditions_and_decomposes_the_lead():
+    from bench.distill_report import distill_summary
+    from bench.shared_prefix_report import SHARED, decomposition
+
+    nll = {"edgeprompt": 3.0, "edge-only": 3.0, "edgeprompt-shared": 2.8, "cloud-only": 2.0, "cloud-nosys": 2.4,
+           "edge-nosys": 3.5}
+    rows = [{"dataset": "xsum", "id": str(i), "strategy": s, "ref_nll": v + 0.01 * i, "bytes_cloud_to_edge": 1,
+             "cloud_s": 0.0} for i in range(6) for s, v in nll.items()]
+    cells = distill_summary(rows, 0, SHARED)["xsum"]
+    assert cells["edgeprompt-shared"]["delta_mean"] == pytest.approx(-0.2)
+    assert cells["gap_closed_by_edgeprompt-shared"]["fraction"] == pytest.approx(0.2)
+    d = decomposition(rows)["xsum"]
+    assert d["cloud_lead_without_prompt"] == pytest.approx(1.1) and d["prompt_saves_edge"] == pytest.approx(0.5)

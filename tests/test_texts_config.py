@@ -63,6 +63,19 @@ def test_shipped_distill_configs_load(name):
     assert cfg.queries >= 2 and cfg.seeds
 
 
+def test_shipped_shared_prefix_configs_load():
+    """The shared prefix's training config and its eval config are valid (issue 37)."""
+    from edgekv.distill.distill_job import DistillConfig
+    from edgekv.eval.eval_config import EvalConfig
+
+    cfg = load_config(DistillConfig, "distill", ROOT / "configs/distill-shared.yaml", {})
+    cfg.validate()
+    assert cfg.train_shared and cfg.shared_tokens > 0 and (ROOT / cfg.prompts).exists()
+    ev = load_config(EvalConfig, "eval", ROOT / "configs/eval/shared-prefix.yaml", {})
+    ev.validate()
+    assert "edgeprompt-shared" in ev.strategies and ev.shared
+
+
 def test_shipped_config_pairs():
     default = load_config(AlignConfig, "align", ROOT / "configs/default.yaml", {"out": "x"})
     paper = load_config(AlignConfig, "align", ROOT / "configs/opt-6.7b_1.3b.yaml", {"out": "x"})

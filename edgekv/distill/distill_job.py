@@ -29,6 +29,7 @@ from edgekv.config import (
     to_dict,
     workers_setting,
 )
+from edgekv.distill.shared import run_shared
 from edgekv.distill.student import (
     RULES,
     Student,
@@ -36,7 +37,6 @@ from edgekv.distill.student import (
     split_samples,
     train_student,
 )
-from edgekv.distill.shared import run_shared
 from edgekv.distill.synthetic import synthetic_set
 from edgekv.distill.teacher import (
     INSTRUCTION,
@@ -47,6 +47,7 @@ from edgekv.kv.catalog import Catalog, export_key
 from edgekv.kv.cloud_kv import same_model_layers
 from edgekv.kv.encode import encode_layer
 from edgekv.kv.export import export_manifest, model_info, token_ids_sha256, write_export
+from edgekv.kv.shared_prefix import SharedPrefix
 from edgekv.models.loading import LoadedModel, check_tokenizers, load_model
 from edgekv.models.settings import ModelSettings
 from edgekv.models.structure import context_limit
@@ -116,6 +117,8 @@ class DistillConfig(ModelSettings):
     prune_ratio: float = 0.0  # ThinK on top of the trained KV
     window: int = 32
     seed: int = seed_setting()
+    shared: str | None = setting(None, "A shared prefix (--train-shared) the student is read after: per-prompt "
+                                       "distillation on top of it.")
     # a shared prefix trained once across --prompts (issue 37, distill/shared.py) instead of an export per prompt
     train_shared: bool = setting(False, "Train one shared prefix across --prompts (written to OUT/prefix).",
                                  toggle="--train-shared/--per-prompt")
@@ -163,6 +166,8 @@ class DistillConfig(ModelSettings):
             raise EdgeKVError("held_out must be in (0, 1); top_k, eval_every and patience ≥ 1")
         if self.batch < 1 or self.freeze_first < 0:
             raise EdgeKVError("batch must be ≥ 1 and freeze_first ≥ 0")
+        if self.train_shared and self.shared:
+            raise EdgeKVError("--train-shared trains a shared prefix; --shared reads a trained one (give one of them)")
         if self.train_shared:
             if self.prompts is None or self.ray is not None or self.catalog is not None:
                 raise EdgeKVError("--train-shared trains on --prompts (a JSONL of training prompts), in this process, "
@@ -212,13 +217,15 @@ def distill_one(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, nam
     if keep > ids.numel():
         raise EdgeKVError(f"{name}: --length {keep} is beyond the system prompt's {ids.numel()} tokens")
     work.mkdir(parents=True, exist_ok=True)
-    student, index = initial_student(edge, ids, keep, cfg.rule, cfg.param, cfg.rank, cfg.seed, cfg.freeze_first)
+    shared = SharedPrefix(cfg.shared, edge) if cfg.shared else None
+    student, index = initial_student(edge, ids, keep, cfg.rule, cfg.param, cfg.rank, cfg.seed, cfg.freeze_first,
+                                     shared.prefix if shared else None)
     samples, meta = synthetic_set(cfg, teacher, edge, student, ids, work, tasks)
     train, held = split_samples(samples, cfg.held_out, cfg.seed)
     start = time.perf_counter()
     log_, best = train_student(cfg, edge, student, train, held, work / "train", tasks)
     train_s = time.perf_counter() - start  # this call's share: a resumed run counts only what it added
-    report = _export(cfg, edge, teacher, student, ids, index, work, {
+    report = student_export(cfg, edge, teacher, student, ids, index, work, shared, {
         "teacher": cfg.teacher, "teacher_fingerprint": teacher.fingerprint, "length": keep, "rule": cfg.rule,
         "param": cfg.param, "rank": cfg.rank if cfg.param == "lowrank" else None,
         "steps": log_[-1]["step"] if log_ else 0, "best_step": best["step"], "held_out_kl": best["kl"],
@@ -236,10 +243,11 @@ def distill_one(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, nam
     return report
 
 
-def _export(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, student: Student, ids: torch.Tensor,
-            index: torch.Tensor, work: Path, distilled: dict) -> dict:
-    """The student as an EdgePrompt-format export (edge-shaped KV of every layer) + its report."""
-    queries = same_model_layers(edge, ids, 0, cfg.window, cfg.seed)  # the edge's own queries score ThinK
+def student_export(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, student: Student, ids: torch.Tensor,
+            index: torch.Tensor, work: Path, shared: SharedPrefix | None, distilled: dict) -> dict:
+    """The student as an EdgePrompt-format export (edge-shaped KV of every layer) + its report; under a shared
+    prefix, the student's own tokens (positions relative to the prefix's end) and the prefix's fingerprint."""
+    queries = same_model_layers(edge, ids, 0, cfg.window, cfg.seed, shared=shared)  # the edge's queries score ThinK
     tensors, entries = {}, []
     for layer, (k, v) in zip(queries, student.kv()):
         layer.keys, layer.values = k.to(edge.model.dtype), v.to(edge.model.dtype)
@@ -253,7 +261,8 @@ def _export(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, student
         prune={"method": "think", "ratio": cfg.prune_ratio, "window": cfg.window, "keep_recent": 0,
                "queries": "own window"},
         quant=cfg.quant, kv_tokens=student.tokens, next_position=student.next_position,
-        kv_token_index=index.tolist(), distilled=distilled)
+        kv_token_index=index.tolist(), distilled=distilled,
+        **({"under_shared": shared.describe()} if shared is not None else {}))
     write_export(work / "kv", manifest, tensors)
     written = sum(e["bytes"] for e in entries)
     full_fp16 = 2 * int(ids.numel()) * info["num_kv_heads"] * info["head_dim"] * 2 * info["num_layers"]

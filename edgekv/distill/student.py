@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from edgekv import EdgeKVError
 from edgekv.atomic import write_tensors_atomic, write_text_atomic
-from edgekv.attention.prefix_kv import PrefixKV, continuation_logits, prefix_kv
+from edgekv.attention.prefix_kv import PrefixKV, continuation_logits, joined, prefill_after, prefix_kv
 from edgekv.distill.teacher import Sample
 from edgekv.kv.train_loop import Trainee, example_index, train_loop
 from edgekv.models.loading import LoadedModel
@@ -50,10 +50,13 @@ class Student:
     so step 0 is the initial KV exactly). Tensors are float32; the prefix is cast to the model's dtype."""
 
     def __init__(self, init: list[tuple[torch.Tensor, torch.Tensor]], next_position: int, param: str = "full",
-                 rank: int = 8, seed: int = 0, dtype: torch.dtype | None = None, freeze_first: int = 0):
+                 rank: int = 8, seed: int = 0, dtype: torch.dtype | None = None, freeze_first: int = 0,
+                 front: PrefixKV | None = None):
+        """`front`: a fixed prefix the student is read after (a shared prefix, issue 37); `next_position` then
+        counts from its end."""
         if param not in ("full", "lowrank"):
             raise EdgeKVError(f"--param must be 'full' or 'lowrank', got '{param}'")
-        self.param, self.next_position, self.freeze_first = param, next_position, freeze_first
+        self.param, self.next_position, self.freeze_first, self.front = param, next_position, freeze_first, front
         self.dtype = dtype or init[0][0].dtype
         self.base = [(k.detach().float().clone(), v.detach().float().clone()) for k, v in init]
         g = torch.Generator().manual_seed(seed)
@@ -92,9 +95,11 @@ class Student:
         return k, v
 
     def prefix(self) -> PrefixKV:
-        """The student as a prefix the edge reads (in the model's dtype)."""
-        return PrefixKV([tuple(t.to(self.dtype) for t in self.layer(i)) for i in range(len(self.base))], self.tokens,
-                        next_position=self.next_position)
+        """The student as a prefix the edge reads (in the model's dtype), after its `front` when it has one."""
+        layers = [tuple(t.to(self.dtype) for t in self.layer(i)) for i in range(len(self.base))]
+        if self.front is not None:
+            return joined(self.front, layers, self.front.prefix_len + self.next_position)
+        return PrefixKV(layers, self.tokens, next_position=self.next_position)
 
     def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's (kv_heads, P', d) keys and values as trained, detached (what an export ships)."""
@@ -103,16 +108,22 @@ class Student:
 
 
 def initial_student(edge: LoadedModel, system_ids: torch.Tensor, keep: int, rule: str, param: str = "full",
-                    rank: int = 8, seed: int = 0, freeze_first: int = 0) -> tuple[Student, torch.Tensor]:
+                    rank: int = 8, seed: int = 0, freeze_first: int = 0,
+                    front: PrefixKV | None = None) -> tuple[Student, torch.Tensor]:
     """The student at step 0 and the prompt token indices it holds: the edge's own prefill of the whole prompt,
-    kept at the chosen tokens (`even`, `all`), or the edge's prefill of the first P' tokens alone (`first`)."""
+    kept at the chosen tokens (`even`, `all`), or the edge's prefill of the first P' tokens alone (`first`); read
+    after `front` (a shared prefix) when given."""
     index, next_position = select_tokens(system_ids.numel(), keep, rule)
-    if rule == "first" and index.numel() < system_ids.numel():
-        init = prefix_kv(edge.model, system_ids[index])
-    else:
-        full = prefix_kv(edge.model, system_ids)
-        init = [(k[:, :, index], v[:, :, index]) for k, v in full]
-    return Student(init, next_position, param, rank, seed, dtype=init[0][0].dtype, freeze_first=freeze_first), index
+    fill = (lambda ids: prefix_kv(edge.model, ids)) if front is None else (  # noqa: E731
+        lambda ids: prefill_after(edge.model, front, ids))
+    with torch.no_grad():
+        if rule == "first" and index.numel() < system_ids.numel():
+            init = fill(system_ids[index])
+        else:
+            full = fill(system_ids)
+            init = [(k[:, :, index], v[:, :, index]) for k, v in full]
+    return Student(init, next_position, param, rank, seed, dtype=init[0][0].dtype, freeze_first=freeze_first,
+                   front=front), index
 
 
 def sample_loss(edge: LoadedModel, prefix: PrefixKV, s: Sample, query_loss: bool = False) -> torch.Tensor:

@@ -38,6 +38,8 @@ def synthetic_set(cfg: Any, teacher: LoadedModel, edge: LoadedModel, student: St
            "prompt_sha256": token_ids_sha256(ids.tolist()), "format": 2}
     if cfg.on_policy:  # the student's samples depend on where it starts
         key.update(student=edge.fingerprint, length=student.tokens, rule=cfg.rule)
+        if getattr(cfg, "shared", None):  # the student read after a shared prefix samples other answers
+            key["shared"] = cfg.shared
     if meta_path.exists() and tensor_path.exists():
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
         if meta["key"] == key:

@@ -17,6 +17,7 @@ from edgekv.atomic import write_text_atomic
 from edgekv.kv.cloud_kv import calibration, get_translator
 from edgekv.kv.compress_job import CompressConfig, run_compress
 from edgekv.kv.registry import save_translator
+from edgekv.kv.shared_prefix import SharedPrefix
 from edgekv.models.loading import LoadedModel, check_tokenizers, load_pair
 from edgekv.progress import Tasks
 from edgekv.serve.pipeline import Link
@@ -59,6 +60,14 @@ class Artefacts:
         self.exports: dict[tuple[str, str], tuple[Path, dict]] = {}
         self._layers_family: tuple | None = None
         self._layers_cache: dict = {}
+        self._shared: SharedPrefix | None = None
+
+    @property
+    def shared(self) -> SharedPrefix:
+        """The run's shared prefix (`shared`), loaded and verified once."""
+        if self._shared is None:
+            self._shared = SharedPrefix(self.cfg.shared, self.edge)
+        return self._shared
 
     # ------------------------------------------------------------------------------------------- preparation
 

@@ -72,6 +72,12 @@ class EvalConfig(ModelSettings):
     local_sink_tokens: int = 1
     fuser_path: str | None = setting(None, "A trained fuser for ce-lslm-fuse (`edgekv train-fuser`).")
     distill_config: str | None = "configs/distill.yaml"  # the distilled strategies' `edgekv distill` settings
+    shared: str | None = setting(None, "A shared prefix for the *-shared strategies (distill --train-shared).")
+    # `notes`: the cloud writes notes on the system prompt (an instruction that is not the eval's), greedy, and the
+    # edge reads prompt + notes
+    notes_instruction: str = ("\n\nWrite short notes on the text above for a reader who will answer questions "
+                              "about it: its key facts, names and numbers, and its style.\nNotes:")
+    notes_tokens: int = 96
     bertscore: str = "minilm"
     load_rates: list[float] = setting(help="Poisson load runs at these requests/s, e.g. 0.1,0.25,0.5.", factory=list)
     load_seconds: float = setting(20.0, "Length of each load run.")

@@ -13,6 +13,7 @@ import torch
 from edgekv import EdgeKVError
 from edgekv.kv.encode import LayerKV
 from edgekv.kv.registry import TRANSLATORS, load_translator, translator_files
+from edgekv.kv.shared_prefix import SharedPrefix
 from edgekv.kv.translators import Translator, split_by_text
 from edgekv.models.capture import capture
 from edgekv.models.loading import LoadedModel
@@ -47,9 +48,12 @@ def _window_and_heldout(q: torch.Tensor, window: int, max_heldout: int = 256, se
 
 
 def same_model_layers(model: LoadedModel, ids: torch.Tensor, start: int, window: int, seed: int,
-                      tasks: Tasks | None = None) -> list[LayerKV]:
-    """The model's own KV of layers start..L-1 (rotated, as in its cache) and its own queries."""
-    acts = capture(model.model, [ids], ("k", "v", "q"), on_text=(tasks or Tasks()).task("system prompt forward", 1))
+                      tasks: Tasks | None = None, shared: SharedPrefix | None = None) -> list[LayerKV]:
+    """The model's own KV of layers start..L-1 (rotated, as in its cache) and its own queries; under a `shared`
+    prefix, the prompt's own tokens read after it (positions from K)."""
+    after = (shared.prefix.request_cache, shared.tokens) if shared is not None and shared.tokens else None
+    acts = capture(model.model, [ids], ("k", "v", "q"), on_text=(tasks or Tasks()).task("system prompt forward", 1),
+                   after=after)
     heads, kv_heads, _ = attn_shape(model.model)
     layers = []
     for i in range(start, model.num_layers):
@@ -136,14 +140,15 @@ def heterogeneous_layers(cloud: LoadedModel, edge: LoadedModel, ids: torch.Tenso
 
 
 def cloud_side(cfg: Any, cloud: LoadedModel, edge: LoadedModel, ids: torch.Tensor, pairs: list,
-                mapping_source: str, same: bool, tasks: Tasks) -> tuple:
-    """The cloud-side KV of the prompt, before encoding (`cfg`: a CompressConfig with its splice resolved)."""
+                mapping_source: str, same: bool, tasks: Tasks, shared: SharedPrefix | None = None) -> tuple:
+    """The cloud-side KV of the prompt, before encoding (`cfg`: a CompressConfig with its splice resolved), read
+    after a `shared` prefix (same model only)."""
     timings: dict[str, float] = {}
     files: dict = {}
     start = time.perf_counter()
     translator, extra = None, {}
     if same:
-        layers = same_model_layers(edge, ids, pairs[0][0], cfg.window, cfg.seed, tasks)
+        layers = same_model_layers(edge, ids, pairs[0][0], cfg.window, cfg.seed, tasks, shared)
     else:
         translator, edge_cal = get_translator(cfg, cloud, edge, pairs, calibration(cfg, edge.tokenizer), tasks)
         if cfg.translator_path:  # the saved translator's pairing wins over --mapping

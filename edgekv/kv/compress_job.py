@@ -41,6 +41,7 @@ from edgekv.kv.registry import (
     TRANSLATORS,
     is_fuser,
 )
+from edgekv.kv.shared_prefix import SharedPrefix
 from edgekv.models.capture import check_kv_reconstruction
 from edgekv.models.loading import LoadedModel, check_tokenizers, load_pair, same_model
 from edgekv.models.settings import ModelSettings
@@ -85,6 +86,8 @@ class CompressConfig(ModelSettings):
     calib_offset: int = 0
     tar: bool = setting(False, "Write one .tar instead of a directory.", toggle="--tar/--no-tar")
     seed: int = seed_setting()
+    shared: str | None = setting(None, "A shared prefix (distill --train-shared) the prompt is read after (same "
+                                       "model on both sides).")
     prompts: str | None = setting(None, "JSONL of {name, system_prompt}: one export each (--catalog).")
     catalog: str | None = setting(None, "Catalog of exports: a folder or fsspec URL (with --prompts).")
     ray: str | None = ray_setting()
@@ -195,12 +198,16 @@ def run_compress(cfg: CompressConfig, progress=None, models: tuple[LoadedModel, 
     same = same_model(cloud, edge)  # the same model under two names is still the exact same-model path
     check_tokenizers(cloud.tokenizer, edge.tokenizer)
     cfg = resolve_splice(cfg, cloud, edge, same)
+    shared = SharedPrefix(cfg.shared, edge) if cfg.shared else None
+    if shared is not None and not same:  # the cloud cannot read an edge-shaped prefix
+        raise EdgeKVError("--shared needs the same model on both sides (EdgePrompt); a heterogeneous cloud's KV "
+                          "is computed without the prefix")
     timings["load_s"] = time.perf_counter() - start
     ids = torch.tensor(edge.tokenizer(prompt, add_special_tokens=True)["input_ids"], dtype=torch.long)
     if ids.numel() == 0:
         raise EdgeKVError("the system prompt encodes to no tokens")
     for m in {id(cloud): cloud, id(edge): edge}.values():
-        check_context(m.model.config, int(ids.numel()), "the system prompt")
+        check_context(m.model.config, int(ids.numel()) + (shared.tokens if shared else 0), "the system prompt")
     reconstruction = None
     if not same and "hidden_in" in TRANSLATORS[cfg.translator].features:  # KV rebuilt by the edge's own block
         reconstruction = check_kv_reconstruction(edge.model, ids[:64])
@@ -215,7 +222,7 @@ def run_compress(cfg: CompressConfig, progress=None, models: tuple[LoadedModel, 
         side = layers_cache[key]
         timings["cached_cloud_kv_s"] = sum(side.timings.values())
     else:
-        side = cloud_side(cfg, cloud, edge, ids, pairs, mapping_source, same, tasks)
+        side = cloud_side(cfg, cloud, edge, ids, pairs, mapping_source, same, tasks, shared)
         timings.update(side.timings)
         if layers_cache is not None:
             layers_cache[key] = side
@@ -241,7 +248,7 @@ def run_compress(cfg: CompressConfig, progress=None, models: tuple[LoadedModel, 
         local_sink_tokens=0 if same or cfg.splice == "fuse" else min(cfg.local_sink_tokens, n),
         prune={"method": "think", "ratio": cfg.prune_ratio, "window": cfg.window, "keep_recent": cfg.keep_recent,
                "queries": "own window" if same or cfg.map_on == "edge" else "edge calibration windows"},
-        quant=cfg.quant)
+        quant=cfg.quant, **({"under_shared": shared.describe()} if shared is not None else {}))
     if translator is not None:
         manifest["translator"] = {
             "name": translator.name, "applied_on": cfg.map_on, "source": cfg.translator_path or "fitted",

@@ -21,7 +21,6 @@ from edgekv.kv.codecs import quantize
 from edgekv.kv.export import Expect, KVExport, KVStoreError, export_manifest, tokenizer_fingerprint, write_export
 from edgekv.kv.unpack import decode_layer, edge_kv
 from edgekv.models.loading import LoadedModel
-from edgekv.models.structure import KVPair
 
 REGIME = "shared-prefix"
 
@@ -93,10 +92,3 @@ def refuse_prefixed(recorded: dict | None, what: str) -> None:
         raise EdgeKVError(f"{what} was made under shared prefix {recorded.get('fingerprint', '?')[:12]}…; give it "
                           "with --shared")
 
-
-def under(shared: SharedPrefix | None, layers: list[KVPair]) -> list[KVPair]:
-    """`layers` with the shared prefix's tokens in front (unchanged without one)."""
-    if shared is None:
-        return layers
-    return [(torch.cat([pk, k.to(pk.dtype)], 2), torch.cat([pv, v.to(pv.dtype)], 2))
-            for (pk, pv), (k, v) in zip((shared.prefix.layer(i) for i in range(shared.prefix.num_layers)), layers)]

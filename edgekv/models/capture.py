@@ -50,12 +50,15 @@ def capture(
     select: Callable[[int, int], torch.Tensor | None] | None = None,
     on_text: Callable[[int], None] | None = None,
     on_output: Callable[[int, object], None] | None = None,
+    after: tuple[Callable[[], object], int] | None = None,
 ) -> Activations:
     """Run `model` on each 1-D token sequence (one at a time: no padding) and collect per-layer features.
 
     `select(text_index, length)` may return the positions of that text to keep (seeded subsampling);
     memory stays bounded by what is kept, in float32 on CPU. `on_output(text_index, model_output)` sees each
-    forward's output (logits) before it is dropped.
+    forward's output (logits) before it is dropped. `after` = (a function giving a fresh request cache over a
+    prefix, the position the sequence starts at): each sequence is read after that prefix, and K, V and the
+    rotated queries are the sequence's own, at its positions (a prompt under a shared prefix).
     """
     features = tuple(features)
     unknown = set(features) - set(FEATURES)
@@ -82,25 +85,27 @@ def capture(
                     for layer in decoder_layers(model)]
     try:
         hooked = (block_out, block_in, query_out)
-        return _capture(model, sequences, features, select, on_text, on_output, chunks, hooked, need_cache, device)
+        return _capture(model, sequences, features, select, on_text, on_output, chunks, hooked, need_cache, device,
+                        after)
     finally:
         for h in handles:
             h.remove()
 
 
-def _queries(model: torch.nn.Module, raw: torch.Tensor, rotate: bool) -> torch.Tensor:
-    """q_proj output (1, s, heads·hd) → (1, heads, s, hd), rotated at positions 0..s-1 when asked."""
+def _queries(model: torch.nn.Module, raw: torch.Tensor, rotate: bool, start: int = 0) -> torch.Tensor:
+    """q_proj output (1, s, heads·hd) → (1, heads, s, hd), rotated at positions start..start+s-1 when asked."""
     heads = model.config.num_attention_heads
     q = raw.reshape(1, raw.shape[1], heads, -1).transpose(1, 2).float()
     if rotate:
-        cs = rotary_cos_sin(model, torch.arange(raw.shape[1], device=raw.device)[None], q)
+        cs = rotary_cos_sin(model, torch.arange(start, start + raw.shape[1], device=raw.device)[None], q)
         if cs is not None:
             q = rotate_keys(q, *cs)  # queries rotate exactly as keys do
     return q
 
 
-def _capture(model, sequences, features, select, on_text, on_output, chunks, hooked, need_cache, device):
+def _capture(model, sequences, features, select, on_text, on_output, chunks, hooked, need_cache, device, after):
     block_out, block_in, query_out = hooked
+    start = after[1] if after else 0
     num_layers = model.config.num_hidden_layers
     ids_out, pos_out, text_out = [], [], []
     for t, seq in enumerate(sequences):
@@ -109,7 +114,12 @@ def _capture(model, sequences, features, select, on_text, on_output, chunks, hoo
         keep = torch.arange(seq.numel()) if keep is None else keep
         for hooked_list in hooked:
             hooked_list.clear()
-        out = model(input_ids=seq[None].to(device), use_cache=need_cache)
+        if after:
+            cache = after[0]()
+            out = model(input_ids=seq[None].to(device), cache=cache, use_cache=True,
+                        position_ids=torch.arange(start, start + seq.numel(), device=device)[None])
+        else:
+            out = model(input_ids=seq[None].to(device), use_cache=need_cache)
         for name, seen in (("hidden", block_out), ("hidden_in", block_in)):
             if name in chunks:
                 for i in range(num_layers):
@@ -119,10 +129,10 @@ def _capture(model, sequences, features, select, on_text, on_output, chunks, hoo
         for name, rotate in (("q", True), ("q_unrot", False)):
             if name in chunks:
                 for i in range(num_layers):
-                    chunks[name][i].append(_flatten_heads(_queries(model, query_out[i], rotate))[keep])
+                    chunks[name][i].append(_flatten_heads(_queries(model, query_out[i], rotate, start))[keep])
         if need_cache:
             cache = out.cache
-            positions = torch.arange(seq.numel(), device=device)[None]
+            positions = torch.arange(start, start + seq.numel(), device=device)[None]
             for i in range(num_layers):
                 keys, values = cache.layers[i].keys, cache.layers[i].values
                 if "k" in chunks:

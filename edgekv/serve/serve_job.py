@@ -17,6 +17,7 @@ from edgekv.config import (
     weights_setting,
 )
 from edgekv.kv.catalog import Catalog
+from edgekv.kv.shared_prefix import SharedPrefix
 from edgekv.models.loading import DTYPES, load_model
 from edgekv.models.prepack import prepack_linears
 from edgekv.runtime import limit_onednn_cache, on_fresh_thread
@@ -65,6 +66,8 @@ class ServeConfig:
     peer_kv: str | None = setting(
         None, "Same-model export of the system prompt from a nearby edge: its layers < m replace the local shallow "
         "prefill.")
+    shared: str | None = setting(None, "A shared prefix (distill --train-shared): every system prompt is read after "
+                                       "it; exports must have been made under it.")
     max_kv_mb: float | None = setting(
         None, "System KV held in memory; idle exports beyond it are unloaded and reloaded on demand.",
         shown="no limit")
@@ -132,6 +135,7 @@ def _open(cfg: ServeConfig) -> EdgeSession | ExportPool:
     if cfg.prepack:
         prepack_linears(edge.model)  # serving never trains or reads the weights; a no-op where unsupported
     system = read_system_prompt(cfg.system_prompt) if cfg.system_prompt else None
+    shared = SharedPrefix(cfg.shared, edge) if cfg.shared else None
     if cfg.catalog:  # every entry a model id, loaded (fetched and verified) on first use
         catalog = Catalog(cfg.catalog)
         rows = catalog.entries()
@@ -139,18 +143,20 @@ def _open(cfg: ServeConfig) -> EdgeSession | ExportPool:
             raise EdgeKVError(f"--catalog {cfg.catalog}: no entries (its index.jsonl lists none)")
         budget = None if cfg.max_kv_mb is None else int(cfg.max_kv_mb * 2**20)
         aliases = catalog.names()
-        return ExportPool(lambda kv: EdgeSession(edge, kv, None, cfg.link(), cfg.cache_dir, cfg.local_sink_tokens),
+        return ExportPool(lambda kv: EdgeSession(edge, kv, None, cfg.link(), cfg.cache_dir, cfg.local_sink_tokens,
+                                                 shared=shared),
                           {r["name"]: catalog.source(r["key"]) for r in rows}, budget, cfg.max_batch, cfg.max_queue,
                           aliases)
     sources = cfg.kv_list()
     if len(sources) <= 1 and cfg.max_kv_mb is None:
         return EdgeSession(edge, sources[0] if sources else None, system, cfg.link(), cfg.cache_dir,
-                           cfg.local_sink_tokens, cfg.peer_kv)
+                           cfg.local_sink_tokens, cfg.peer_kv, shared=shared)
     ids = [export_id(s) for s in sources]
     if len(set(ids)) < len(ids):
         raise EdgeKVError(f"two exports share a name ({', '.join(ids)}); model ids are folder names")
     budget = None if cfg.max_kv_mb is None else int(cfg.max_kv_mb * 2**20)
-    pool = ExportPool(lambda kv: EdgeSession(edge, kv, None, cfg.link(), cfg.cache_dir, cfg.local_sink_tokens),
+    pool = ExportPool(lambda kv: EdgeSession(edge, kv, None, cfg.link(), cfg.cache_dir, cfg.local_sink_tokens,
+                                                 shared=shared),
                       dict(zip(ids, sources)), budget, cfg.max_batch, cfg.max_queue)
     for k in ids:  # a bad export is refused at start
         pool.get(k)

@@ -34,7 +34,7 @@ from edgekv.kv.export import (
     write_copy,
 )
 from edgekv.kv.fusers import Fuser
-from edgekv.kv.shared_prefix import SharedPrefix, refuse_prefixed, under
+from edgekv.kv.shared_prefix import SharedPrefix, refuse_prefixed
 from edgekv.kv.unpack import decode_layer, edge_kv
 from edgekv.models.loading import LoadedModel
 from edgekv.models.structure import KVPair, attn_shape, check_context, decoder_layers, model_device
@@ -50,8 +50,8 @@ class SystemKV(PrefixKV):
                  link: Link | None = None, cache_dir: str | Path | None = None, local_sink_tokens: int | None = None,
                  peer_kv: str | None = None, shared: SharedPrefix | None = None):
         """From an export `kv` (with the fallbacks), or the edge's own prefill of `system_prompt`; under a
-        `shared` prefix, its K tokens come first and the prompt is read after them (local prefill only: an export
-        must have been made under the same prefix)."""
+        `shared` prefix, its K tokens come first and the prompt is read after them (an export must have been made
+        under the same prefix)."""
         self.edge, self.model, self.link = edge, edge.model, link or Link()
         self.dtype = next(self.model.parameters()).dtype
         super().__init__(None, 0, num_layers=len(decoder_layers(self.model)))
@@ -81,7 +81,7 @@ class SystemKV(PrefixKV):
         self.prefix_len = int(manifest.get("kv_tokens", self.system_ids.numel()))
         self.next_position = int(manifest.get("next_position", self.prefix_len))
         self.distilled = "distilled" in manifest
-        self.shared = shared
+        self.shared, self._joined = shared, {}
         if shared is not None:
             if self.export is not None:
                 shared.check(manifest.get("under_shared"), f"the KV export {kv}")
@@ -91,6 +91,8 @@ class SystemKV(PrefixKV):
             refuse_prefixed(manifest.get("under_shared"), f"the KV export {kv}")
         check_context(self.model.config, max(self.next_position, self.prefix_len), "the system prompt")
         self.splice = self.export.manifest.get("splice", "replace") if self.export is not None else "replace"
+        if shared is not None and self.splice == "fuse":
+            raise EdgeKVError("a fuse export cannot be read under a shared prefix (its gates were trained without it)")
         if self.splice == "fuse":
             self._build_fused()
         else:
@@ -145,10 +147,8 @@ class SystemKV(PrefixKV):
         if self.prefix_len:
             peer = self._peer_shallow(self.start_layer) if self.peer_kv and self.start_layer else None
             self.shallow_source = "peer" if peer is not None else "local"
-            if self.shared is not None:  # the edge alone: [prefix | the prompt read after it]
-                own = prefill_after(self.model, self.shared.prefix, self.system_ids) if self.system_ids.numel() \
-                    else [(k[:, :, :0], v[:, :, :0]) for k, v in map(self.shared.prefix.layer, range(self.num_layers))]
-                self.shallow = under(self.shared, own)
+            if self.shared is not None:  # the prompt's own tokens read after the prefix (layer() puts it in front)
+                self.shallow = self._prompt_kv()[: self.start_layer] if self.start_layer else []
             else:
                 self.shallow = peer if peer is not None else prefix_kv(self.model, self.system_ids, self.start_layer)
         else:
@@ -217,8 +217,16 @@ class SystemKV(PrefixKV):
         if self._own is None and not self.prefix_len:
             self._own = self.shallow
         if self._own is None:
-            self._own = prefix_kv(self.model, self.system_ids)
+            self._own = self._prompt_kv()
         return self._own
+
+    def _prompt_kv(self) -> list[KVPair]:
+        """The edge's own prefill of the system prompt, every layer (after the shared prefix, when there is one)."""
+        if self.shared is None:
+            return prefix_kv(self.model, self.system_ids)
+        if not self.system_ids.numel():
+            return [(k[:, :, :0], v[:, :, :0]) for k, v in map(self.shared.prefix.layer, range(self.num_layers))]
+        return prefill_after(self.model, self.shared.prefix, self.system_ids)
 
     def _from_own(self, i: int) -> KVPair:
         return self._own_kv()[i]
@@ -236,7 +244,19 @@ class SystemKV(PrefixKV):
     # ------------------------------------------------------------------------------------------- reading
 
     def layer(self, i: int) -> KVPair:
-        """Layer i's (1, kv_heads, P, d) keys and values (waits for a layer in transit)."""
+        """Layer i's (1, kv_heads, P, d) keys and values (waits for a layer in transit); under a shared prefix,
+        its K tokens first (joined once per layer)."""
+        if self.shared is None:
+            return self._prompt_layer(i)
+        if i not in self._joined:
+            self._joined[i] = self._with_prefix(i, self._prompt_layer(i))
+        return self._joined[i]
+
+    def _with_prefix(self, i: int, kv: KVPair) -> KVPair:
+        pk, pv = self.shared.prefix.layer(i)
+        return torch.cat([pk, kv[0].to(pk.dtype)], 2), torch.cat([pv, kv[1].to(pv.dtype)], 2)
+
+    def _prompt_layer(self, i: int) -> KVPair:
         if self.splice == "fuse":
             return self._fused()[0].get(i, self.shallow[i])
         if i < self.start_layer:

@@ -95,6 +95,15 @@ class KVStrategy(Strategy):
     """A strategy that answers on a KV export of the system prompt, made on the cloud side by `make_export`."""
 
     ships_kv: ClassVar[bool] = True
+    under_shared: ClassVar[bool] = False  # the export was made under the run's shared prefix, read under it
+
+    def validate(self, cfg) -> None:
+        if self.under_shared and not cfg.shared:
+            raise EdgeKVError(f"strategy {self.name} needs shared (a shared prefix of `edgekv distill "
+                              "--train-shared`)")
+
+    def _shared(self, a: Artefacts):
+        return a.shared if self.under_shared else None
 
     def cloud_model(self, a: Artefacts) -> LoadedModel:
         """The model that computes the export's KV."""
@@ -110,13 +119,14 @@ class KVStrategy(Strategy):
     def answering(self, a: Artefacts, req: Request) -> Answering:
         export, info = a.export(self, req.system)
         start = time.perf_counter()
-        session = EdgeSession(a.edge, str(export), link=a.link, cache_dir=a.out / "work" / "kvcache")
+        session = EdgeSession(a.edge, str(export), link=a.link, cache_dir=a.out / "work" / "kvcache",
+                              shared=self._shared(a))
         return Answering(session, a.edge, time.perf_counter() - start, [("system", info["cloud_input"])],
                          info["cloud_s"], info["bytes"], info["cloud_fp16_bytes"])
 
     def load_session(self, a: Artefacts, system: str) -> tuple[EdgeSession, bool]:
         export, _ = a.export(self, system)
-        return EdgeSession(a.edge, str(export), cache_dir=a.out / "work" / "kvcache"), True
+        return EdgeSession(a.edge, str(export), cache_dir=a.out / "work" / "kvcache", shared=self._shared(a)), True
 
 
 class CompressStrategy(KVStrategy):

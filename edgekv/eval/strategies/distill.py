@@ -5,6 +5,9 @@ speed, trained so the edge reading it predicts what a teacher predicts reading t
   (alone or after c<N>): S training steps instead of the config's (recipe ablations share one synthetic set);
   `:nosum`: the seed instructions without the summarising one (a query type never in the synthetic set);
   `:v1`: the recipe shipped before issue 34 (`V1_RECIPE`), through today's teacher.
+- `ce-lslm-distill-shared` (and its @c<N>, @s<S>): the same, on top of the run's shared prefix (issue 37).
+- `oracle-kv` (a bound, never shipped): the request's EdgePrompt KV trained toward the cloud's distribution over
+  that request's own reference (issue 37): what a per-prompt KV can carry at most.
 - `edgeprompt-selfdistill@c<N>`: the edge teaches itself (Cartridges' self-study): what compression recovers
   without the cloud, at equal bytes.
 - `edgeprompt-truncate@c<N>`: the same P/N-token student untrained (0 steps): EdgePrompt of the first P/N tokens.
@@ -14,14 +17,22 @@ generation + targets + training of the strategy's student (what it costs per sys
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import ClassVar
 
+import torch
+
 from edgekv.config import load_config
-from edgekv.distill.distill_job import V1_RECIPE, DistillConfig, run_distill
-from edgekv.eval.strategies.base import KVStrategy, register_strategy
+from edgekv.distill.distill_job import V1_RECIPE, DistillConfig, run_distill, student_export
+from edgekv.distill.student import initial_student, train_student
+from edgekv.distill.teacher import BatchedTeacher, Sample
+from edgekv.eval.strategies.base import Answering, KVStrategy, Strategy, register_strategy
+from edgekv.serve.session import EdgeSession
 
 
 @dataclass(frozen=True)
@@ -58,7 +69,7 @@ class DistillStrategy(KVStrategy):
         return replace(cfg, out=str(work), system_prompt=f"@{prompt_file}", prompts=None, cloud=c.cloud, edge=c.edge,
                        dtype=c.dtype, teacher=self.teacher, compress=self.factor, length=None,
                        steps=self.steps if self.steps is not None else self.train_steps or cfg.steps,
-                       instructions=instructions, seeds=seeds,
+                       instructions=instructions, seeds=seeds, shared=c.shared if self.under_shared else None,
                        synthetic_dir=str(work.parent.parent / f"synthetic-{self.teacher}-{self.variant or 'all'}"
                                          / work.name))
 
@@ -79,6 +90,15 @@ class CeLslmDistill(DistillStrategy):
 
 
 @register_strategy
+class CeLslmDistillShared(DistillStrategy):
+    """Per-prompt distillation on top of the run's shared prefix (issue 37): the student starts from the prompt's
+    KV read after the prefix, and is read after it; the teacher's synthetic sets are ce-lslm-distill's."""
+
+    base = "ce-lslm-distill-shared"
+    under_shared = True
+
+
+@register_strategy
 class EdgepromptSelfDistill(DistillStrategy):
     """The edge teaches its own shorter KV (the self-study control)."""
 
@@ -93,3 +113,37 @@ class EdgepromptTruncate(DistillStrategy):
     base = "edgeprompt-truncate"
     teacher = "self"
     steps = 0
+
+
+@register_strategy
+class OracleKV(Strategy):
+    """The bound of what a per-prompt KV can carry (never shipped): the edge's own KV of the system prompt,
+    trained (distill's student, settings and loop) toward the cloud's top-k distribution over this request's user
+    prompt and its own reference, the very tokens its reference NLL is scored on."""
+
+    base = "oracle-kv"
+
+    def answering(self, a, req):
+        cfg = load_config(DistillConfig, "distill", a.cfg.distill_config, {"system_prompt": "unused"})
+        key = hashlib.sha256(json.dumps([req.system, req.user, req.reference]).encode()).hexdigest()[:16]
+        work = a.out / "work" / "oracle-kv" / key
+        ids = torch.tensor(a.edge.tokenizer(req.system, add_special_tokens=True)["input_ids"], dtype=torch.long)
+        start = time.perf_counter()
+        if not (work / "kv" / "manifest.json").exists():
+            user = torch.tensor(a.edge.tokenizer(req.user, add_special_tokens=False)["input_ids"], dtype=torch.long)
+            scored = req.scored or req.reference
+            ref = torch.tensor(a.edge.tokenizer(" " + scored, add_special_tokens=False)["input_ids"]
+                               [:a.cfg.reference_tokens], dtype=torch.long)
+            sample = Sample("oracle", user, ref)
+            BatchedTeacher.of_prompt(a.cloud, ids).score([sample], cfg.top_k)
+            student, index = initial_student(a.edge, ids, ids.numel(), "all", freeze_first=cfg.freeze_first)
+            cfg = replace(cfg, batch=1, query_loss=False)
+            log_, best = train_student(cfg, a.edge, student, [sample], [sample], work / "train", a.tasks)
+            student_export(cfg, a.edge, a.cloud, student, ids, index, work, None, {
+                "teacher": "cloud", "teacher_fingerprint": a.cloud.fingerprint, "oracle": True,
+                "steps": log_[-1]["step"] if log_ else 0, "best_step": best["step"], "held_out_kl": best["kl"]})
+        cloud_s = time.perf_counter() - start
+        start = time.perf_counter()
+        session = EdgeSession(a.edge, str(work / "kv"), cache_dir=a.out / "work" / "kvcache")
+        return Answering(session, a.edge, time.perf_counter() - start, [("system", req.system), ("reference",
+                         req.reference)], cloud_s=cloud_s)

@@ -1,5 +1,5 @@
 """Strategies with no KV from the cloud side: each model prefills the whole prompt itself (timed from the start,
-so TTFT includes the system prompt)."""
+so TTFT includes the system prompt), or (`*-nosys`, references) reads the user prompt alone."""
 
 from __future__ import annotations
 
@@ -50,4 +50,32 @@ class EdgeNaive(Strategy):
         system = truncate_prompt(a.edge.tokenizer, req.system, a.cfg.context_budget, a.cfg.naive_keep)
         start = time.perf_counter()
         session = EdgeSession(a.edge, None, system_prompt=system)
+        return Answering(session, a.edge, time.perf_counter() - start)
+
+
+@register_strategy
+class CloudNoSystem(Strategy):
+    """The cloud reading the user prompt alone (no system prompt): one end of the decomposition of the cloud's lead
+    into what it reads in the prompt and what it knows anyway (a reference, never shipped)."""
+
+    base = "cloud-nosys"
+
+    def model(self, a):
+        return a.cloud
+
+    def answering(self, a, req):
+        start = time.perf_counter()
+        session = EdgeSession(a.cloud, None, system_prompt="")
+        return Answering(session, a.cloud, time.perf_counter() - start, [("user", req.user)])
+
+
+@register_strategy
+class EdgeNoSystem(Strategy):
+    """The edge reading the user prompt alone (no system prompt): the decomposition's edge end."""
+
+    base = "edge-nosys"
+
+    def answering(self, a, req):
+        start = time.perf_counter()
+        session = EdgeSession(a.edge, None, system_prompt="")
         return Answering(session, a.edge, time.perf_counter() - start)

@@ -6,10 +6,16 @@ cloud KV of the fuser's open layers beside the edge's own prefill)."""
 from __future__ import annotations
 
 import json
+import time
+from dataclasses import replace
 from pathlib import Path
+
+import torch
 
 from edgekv import EdgeKVError
 from edgekv.align.mapping import MAPPINGS
+from edgekv.atomic import write_text_atomic
+from edgekv.distill.teacher import BatchedTeacher
 from edgekv.eval.strategies.base import CompressStrategy, register_strategy
 from edgekv.kv.compress_job import CompressConfig
 
@@ -28,6 +34,40 @@ class EdgePrompt(CompressStrategy):
         c = a.cfg
         return CompressConfig(cloud=c.edge, edge=c.edge, dtype=c.dtype, start_layer=0,
                               quant="bf16" if c.dtype == "bfloat16" else "fp32")
+
+
+@register_strategy
+class EdgePromptShared(EdgePrompt):
+    """EdgePrompt under the run's shared prefix (issue 37): the prompt's KV is the edge's own, read after the
+    prefix's K tokens; the export holds the prompt's tokens only (the prefix ships once per model pair)."""
+
+    base = "edgeprompt-shared"
+    under_shared = True
+
+    def _compress_config(self, a):
+        return replace(super()._compress_config(a), shared=a.cfg.shared)
+
+
+@register_strategy
+class Notes(EdgePrompt):
+    """The text baseline (issue 37): the cloud writes notes on the system prompt (greedy, `notes_instruction`,
+    never the eval's own instruction) and the edge reads prompt + notes, shipped as EdgePrompt's export of both (the
+    notes' KV counted in the bytes, the cloud's writing in cloud_s)."""
+
+    base = "notes"
+
+    def make_export(self, a, work, prompt_file):
+        start = time.perf_counter()
+        system = prompt_file.read_text(encoding="utf-8")
+        tok = a.cloud.tokenizer
+        ids = torch.tensor(tok(system, add_special_tokens=True)["input_ids"], dtype=torch.long)
+        ask = torch.tensor(tok(a.cfg.notes_instruction, add_special_tokens=False)["input_ids"], dtype=torch.long)
+        notes = BatchedTeacher.of_prompt(a.cloud, ids).generate([ask], a.cfg.notes_tokens, 0.0, [0])[0].text
+        with_notes = work / "system_with_notes.txt"
+        write_text_atomic(with_notes, f"{system}{a.cfg.notes_instruction}{notes.rstrip()}\n\n")
+        written_s = time.perf_counter() - start
+        kv, info = super().make_export(a, work, with_notes)
+        return kv, {**info, "cloud_s": info["cloud_s"] + written_s}
 
 
 @register_strategy

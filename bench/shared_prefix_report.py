@@ -1,0 +1,71 @@
+"""reports/shared-prefix: the shared-prefix strategies of an eval run (issue 37) against EdgePrompt's exact KV,
+paired per request, with each condition's share of the EdgePrompt → cloud gap and the decomposition of the cloud's
+lead (each model with and without the system prompt).
+
+    python -m bench.shared_prefix_report reports/shared-prefix RUN_DIR [RUN_DIR ...] [--prefix runs/shared-prefix]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from bench.distill_report import REFERENCE, Spec, write_distill_report
+from edgekv.atomic import write_text_atomic
+
+CONDITIONS = {"edgeprompt-shared": "edgeprompt-shared", "distill": "ce-lslm-distill",
+              "distill-shared": "ce-lslm-distill-shared", "distill-c8-shared": "ce-lslm-distill-shared@c8",
+              "fuse": "ce-lslm-fuse", "cloud": "cloud-only", "edge": "edge-only",
+              "cloud-nosys": "cloud-nosys", "edge-nosys": "edge-nosys"}
+CONTRASTS = {"distill-shared - distill": ("distill-shared", "distill"),
+             "distill-shared - edgeprompt-shared": ("distill-shared", "edgeprompt-shared")}
+SHIPPED = ("edgeprompt-shared", "distill", "distill-shared", "distill-c8-shared", "fuse")
+SHARED = Spec(CONDITIONS, CONTRASTS, {f"gap_closed_by_{c}": c for c in SHIPPED}, REFERENCE)
+
+
+def decomposition(rows: list[dict]) -> dict:
+    """Per source, mean reference NLL of the cloud and the edge with and without the system prompt, and what
+    reading it saves each (nats/token; the requests all four answered)."""
+    out = {}
+    need = {"cloud-only", "edge-only", "cloud-nosys", "edge-nosys"}
+    for source in dict.fromkeys(r["dataset"] for r in rows):
+        nll: dict[str, dict[str, float]] = {}
+        for r in rows:
+            if r["dataset"] == source and r["strategy"] in need and r.get("ref_nll") is not None:
+                nll.setdefault(r["strategy"], {})[r["id"]] = r["ref_nll"]
+        ids = set.intersection(*(set(nll.get(s, {})) for s in need))
+        if not ids:
+            continue
+        m = {s: sum(nll[s][i] for i in ids) / len(ids) for s in need}
+        out[source] = {"n": len(ids), **{f"{s}_nll": v for s, v in m.items()},
+                       "cloud_lead_without_prompt": m["edge-nosys"] - m["cloud-nosys"],
+                       "cloud_lead_with_prompt": m["edge-only"] - m["cloud-only"],
+                       "prompt_saves_edge": m["edge-nosys"] - m["edge-only"],
+                       "prompt_saves_cloud": m["cloud-nosys"] - m["cloud-only"]}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("runs", type=Path, nargs="+")
+    ap.add_argument("--prefix", type=Path, default=None, help="the shared prefix's training folder (report.json)")
+    args = ap.parse_args()
+    summary = write_distill_report(args.runs, args.out, spec=SHARED)
+    rows = [json.loads(line) for line in (args.out / "rows.jsonl").read_text(encoding="utf-8").splitlines() if line]
+    extra = {"decomposition": decomposition(rows)}
+    if args.prefix is not None:
+        report = json.loads((args.prefix / "report.json").read_text(encoding="utf-8"))
+        manifest = json.loads((Path(report["out"]) / "manifest.json").read_text(encoding="utf-8"))
+        extra["shared_prefix"] = {**report["shared_prefix"], "teach_s": report["teach_s"],
+                                  "train_s": report["train_s"], "synthetic_samples": report["synthetic_samples"],
+                                  "bytes": sum(e["bytes"] for e in manifest["layers"]),
+                                  "fingerprint": manifest["manifest_sha256"]}
+    summary = {**summary, **extra}
+    write_text_atomic(args.out / "summary.json", json.dumps(summary, indent=1))
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
