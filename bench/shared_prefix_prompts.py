@@ -1,7 +1,9 @@
 """The shared prefix's training prompts (issue 37), never any eval sample's: XSum records 107.. (the eval samples
 records 0..106), ShareGPT conversations from record 8,000 (the eval scans 5,000..7,999), and the MMLU 5-shot system
-prompts of subjects the eval's seeded draw does not pick. One {"name", "system_prompt", "source"} per line, the
-sources interleaved, system prompts cut to the eval's 512 tokens.
+prompts of subjects the eval's seeded draw does not pick. One {"name", "system_prompt", "source", "labels"} per
+line, the sources interleaved, system prompts cut to the eval's 512 tokens. `labels` are the prompt's own
+(user, reference) pairs (MMLU: up to 5 of the subject's questions with the gold letter): only `prefix-sft` reads
+them; the cloud-distilled prefix never does.
 
     python -m bench.shared_prefix_prompts --per-source 16 --out reports/shared-prefix/train.jsonl
 """
@@ -21,27 +23,31 @@ EVAL = dict(max_system_tokens=512, min_system_tokens=32, max_user_tokens=192)
 
 def training_prompts(tok, per_source: int, sources: list[str], seed: int = 0) -> list[dict]:
     """`per_source` prompts of each source, interleaved, none from an eval sample."""
+    label = lambda r: {"user": r.user, "reference": r.scored or r.reference}  # noqa: E731
     lists = {}
     if "xsum" in sources:
-        lists["xsum"] = [(r.id, r.system) for r in load_requests("xsum", tok, per_source, seed, None, **EVAL,
-                                                                 xsum_from=107)]
+        lists["xsum"] = [(r.id, r.system, [label(r)]) for r in load_requests("xsum", tok, per_source, seed, None,
+                                                                             **EVAL, xsum_from=107)]
     if "sharegpt" in sources:
-        lists["sharegpt"] = [(r.id, r.system) for r in load_requests("sharegpt", tok, per_source, seed, None, **EVAL,
-                                                                     sharegpt_offset=8000)]
+        lists["sharegpt"] = [(r.id, r.system, [label(r)]) for r in load_requests("sharegpt", tok, per_source, seed,
+                                                                                 None, **EVAL, sharegpt_offset=8000)]
     if "mmlu" in sources:  # the eval draws 4 subjects with its seed (0); their system prompts are never trained on
         taken = {r.id.rsplit("-", 1)[0] for r in load_requests("mmlu", tok, 10_000, 0, None, **EVAL)}
-        seen, rows = set(), []
+        by_subject: dict[str, tuple] = {}
         for r in mmlu():
             subject = r.id.rsplit("-", 1)[0]
-            if subject not in taken and subject not in seen:
-                seen.add(subject)
-                rows.append((subject, r.system))
-        lists["mmlu"] = rows[:per_source]
+            if subject not in taken:
+                entry = by_subject.setdefault(subject, (subject, r.system, []))
+                if len(entry[2]) < 5:
+                    entry[2].append(label(r))
+        lists["mmlu"] = list(by_subject.values())[:per_source]
     out = []
     for k in range(per_source):
         for source, rows in lists.items():
             if k < len(rows):
-                out.append({"name": f"{source}-{rows[k][0]}", "system_prompt": rows[k][1], "source": source})
+                name, system, labels = rows[k]
+                out.append({"name": f"{source}-{name}", "system_prompt": system, "source": source,
+                            "labels": labels})
     return out
 
 

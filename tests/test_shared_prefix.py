@@ -37,7 +37,9 @@ def pair(tiny_models):
 @pytest.fixture()
 def prompts(tmp_path):
     path = tmp_path / "train.jsonl"
-    path.write_text("".join(json.dumps({"name": f"p{i}", "system_prompt": f"System: a note about {t}. " * 2}) + "\n"
+    path.write_text("".join(json.dumps({"name": f"p{i}", "system_prompt": f"System: a note about {t}. " * 2,
+                                        "labels": [{"user": "User: what is it about?\nAnswer:",
+                                                    "reference": f"It is about {t}."}]}) + "\n"
                             for i, t in enumerate(TOPICS)))
     return path
 
@@ -231,14 +233,18 @@ def test_eval_edgeprompt_shared(pair, tiny_models, prompts, tmp_path):
     cfg = dict(out=str(tmp_path / "run"), cloud=tiny_models["cloud"], edge=tiny_models["edge"], dtype="float32",
                limit=2, max_new_tokens=4, datasets=["xsum"], xsum_source=str(xsum), min_system_tokens=8,
                strategies=["edgeprompt", "edgeprompt-shared", "ce-lslm-distill-shared@c4", "oracle-kv", "cloud-nosys",
-                           "edge-nosys", "notes"],
+                           "edge-nosys", "notes", "prefix-sft"],
                distill_config=str(distill), notes_instruction="\nNotes:", notes_tokens=8)
     with pytest.raises(EdgeKVError, match="needs shared"):
         EvalConfig(**cfg).validate()
-    run_eval(EvalConfig(**cfg, shared=shared), models=(cloud, edge))
+    sft = run_distill(_cfg(tmp_path / "sft", prompts, steps=2, shared_targets="labels", shared_tokens=3),
+                      models=(cloud, edge))["shared"]["out"]
+    with pytest.raises(EdgeKVError, match="needs shared_sft"):
+        EvalConfig(**cfg, shared=shared).validate()
+    run_eval(EvalConfig(**cfg, shared=shared, shared_sft=sft), models=(cloud, edge))
     rows = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
     by = {(r["strategy"], r["id"]): r for r in rows}
-    assert len(rows) == 14
+    assert len(rows) == 16
     for (s, i), r in by.items():
         if s == "oracle-kv":  # trained on the request's own reference: a bound, its cloud seconds counted
             assert r["cloud_s"] > 0 and r["ref_nll"] != by[("edgeprompt", i)]["ref_nll"]
@@ -246,6 +252,8 @@ def test_eval_edgeprompt_shared(pair, tiny_models, prompts, tmp_path):
         if s == "notes":  # the prompt and the cloud's notes, both shipped as EdgePrompt's KV
             assert r["system_tokens"] > by[("edgeprompt", i)]["system_tokens"]
             assert r["bytes_cloud_to_edge"] > by[("edgeprompt", i)]["bytes_cloud_to_edge"] and r["cloud_s"] > 0
+        if s == "prefix-sft":  # its own prefix of 3 tokens
+            assert r["system_tokens"] == by[("edgeprompt", i)]["system_tokens"] + 3
         if s.endswith("nosys"):  # the user prompt alone
             assert r["system_tokens"] == 0
         if s.startswith("ce-lslm-distill-shared"):  # P/4 student tokens after the prefix's 6
@@ -315,3 +323,17 @@ def test_report_pairs_conditions_and_decomposes_the_lead():
     assert cells["gap_closed_by_edgeprompt-shared"]["fraction"] == pytest.approx(0.2)
     d = decomposition(rows)["xsum"]
     assert d["cloud_lead_without_prompt"] == pytest.approx(1.1) and d["prompt_saves_edge"] == pytest.approx(0.5)
+
+
+def test_prefix_sft_learns_the_labels_without_a_cloud(pair, tiny_models, prompts, tmp_path):
+    _, edge = pair
+    cfg = _cfg(tmp_path, prompts, shared_targets="labels", steps=16, held_prompts=1, cloud=str(tmp_path / "none"),
+               edge=tiny_models["edge"])
+    s = run_distill(cfg)["shared"]["shared_prefix"]  # loads the edge alone: the cloud path does not exist
+    assert s["targets"] == "labels" and s["teacher"] is None
+    assert s["held_out_kl"] < s["initial_held_out_kl"]  # cross-entropy on a held-out prompt's own label
+    bad = tmp_path / "nolabels.jsonl"
+    bad.write_text(json.dumps({"name": "a", "system_prompt": "System: x."}) + "\n" + json.dumps(
+        {"name": "b", "system_prompt": "System: y."}) + "\n")
+    with pytest.raises(EdgeKVError, match="needs 'labels'"):
+        run_distill(_cfg(tmp_path / "b", bad, shared_targets="labels", held_prompts=1), models=pair)

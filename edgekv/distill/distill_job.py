@@ -128,6 +128,9 @@ class DistillConfig(ModelSettings):
     held_prompts: int = setting(2, "Training prompts held out for the shared prefix's early stopping.")
     held_samples: int = 8  # exchanges per held-out prompt the held-out KL is measured on
     grad_through_prompt: bool = True  # the gradient runs through the prompt's prefill after the prefix
+    shared_targets: str = setting("teacher", "The shared prefix learns the cloud's top-k on synthetic exchanges "
+                                             "(teacher) or the prompts' own labels (labels: prefix-sft).")
+    label_tokens: int = 64  # prefix-sft: reference tokens trained on (the eval scores the first 64)
     catalog: str | None = setting(None, "Also put each export in this catalog (folder or fsspec URL).")
     ray: str | None = ray_setting()
     workers: int = workers_setting()
@@ -175,6 +178,8 @@ class DistillConfig(ModelSettings):
             if self.on_policy:
                 raise EdgeKVError("--train-shared uses teacher answers only (--on-policy 0): on-policy samples are "
                                   "drawn from a per-prompt student")
+            if self.shared_targets not in ("teacher", "labels"):
+                raise EdgeKVError(f"--shared-targets must be teacher or labels, got '{self.shared_targets}'")
             if self.shared_tokens < 0 or self.held_prompts < 1 or self.held_samples < 1:
                 raise EdgeKVError("--shared-tokens must be ≥ 0, --held-prompts and held_samples ≥ 1")
 
@@ -286,10 +291,16 @@ class DistillWorker:
             cloud, self.edge = models
         else:
             self.edge = load_model(cfg.edge, cfg.dtype, device=cfg.device)
-            cloud = load_model(cfg.cloud, cfg.dtype, device=cfg.device) if cfg.teacher == "cloud" else None
+            cloud = load_model(cfg.cloud, cfg.dtype, device=cfg.device) if self.needs_cloud(cfg) else None
         self.teacher = self.edge if cfg.teacher == "self" else cloud
-        check_tokenizers(self.teacher.tokenizer, self.edge.tokenizer)
+        if self.teacher is not None:
+            check_tokenizers(self.teacher.tokenizer, self.edge.tokenizer)
         self.catalog = Catalog(cfg.catalog) if cfg.catalog else None
+
+    @staticmethod
+    def needs_cloud(cfg: DistillConfig) -> bool:
+        """The cloud teaches (not --teacher self, not a prefix trained on labels)."""
+        return cfg.teacher == "cloud" and not (cfg.train_shared and cfg.shared_targets == "labels")
 
     def __call__(self, item: tuple[str, str]) -> dict:
         """{report, row, computed}: the prompt's report (its loss log left out) and, with a catalog, its index row

@@ -10,6 +10,10 @@ seeded order) and `batch` of its exchanges: the edge prefills the prompt *after*
 runs through that prefill too, unless `grad_through_prompt` is off: then the prompt's KV under the current prefix
 is a constant of the step) and the loss is the top-k KL of `student.sample_loss`. Whole training prompts are held
 out for early stopping. The result is a `shared-prefix` export (`edgekv.kv.shared_prefix`).
+
+`shared_targets: labels` is `prefix-sft`, the reference a reviewer asks for: the same K tokens trained by
+next-token loss on the training prompts' own (user, reference) pairs (the JSONL's `labels`), labels the cloud path
+never needs; a one-hot target through the same top-k KL is exactly that cross-entropy.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from edgekv.models.loading import LoadedModel
 from edgekv.models.structure import attn_shape, model_device
 from edgekv.plots import loss_curve
 from edgekv.progress import Tasks
+from edgekv.texts import jsonl_records, read_text
 
 
 def init_ids(edge: LoadedModel, text: str, tokens: int) -> torch.Tensor:
@@ -79,7 +84,34 @@ def reading(edge: LoadedModel, student: Student, ids: torch.Tensor, grad: bool =
     return joined(prefix, own)
 
 
-def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel, prompts: list[tuple[str, str]],
+def label_samples(edge: LoadedModel, labels: list[dict], tokens: int) -> list[Sample]:
+    """(user, reference) pairs as samples whose one target per row is the next token (log-prob 0: one-hot); the
+    reference cut to its first `tokens` tokens, as the eval scores it."""
+    out = []
+    for pair in labels:
+        user = torch.tensor(edge.tokenizer(pair["user"], add_special_tokens=False)["input_ids"], dtype=torch.long)
+        ref = torch.tensor(edge.tokenizer(" " + pair["reference"], add_special_tokens=False)["input_ids"][:tokens],
+                           dtype=torch.long)
+        if user.numel() and ref.numel() > 1:
+            seq = torch.cat([user, ref])
+            out.append(Sample("label", user, ref, seq[1:, None], torch.zeros(seq.numel() - 1, 1)))
+    return out
+
+
+def prompt_labels(path: str) -> dict[str, list[dict]]:
+    """name → the (user, reference) pairs of a training prompts JSONL (its `labels`)."""
+    out = {}
+    for n, data in jsonl_records(read_text(path, "--prompts").splitlines(), path):
+        labels = data.get("labels") if isinstance(data, dict) else None
+        if not isinstance(labels, list) or not labels or not all(
+                isinstance(x, dict) and isinstance(x.get("user"), str) and isinstance(x.get("reference"), str)
+                for x in labels):
+            raise EdgeKVError(f"{path}:{n}: shared_targets labels needs 'labels': [{{\"user\", \"reference\"}}, …]")
+        out[data["name"]] = labels
+    return out
+
+
+def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel | None, prompts: list[tuple[str, str]],
                tasks: Tasks) -> dict:
     """Train the shared prefix on `prompts` under `cfg.out` (resumable: synthetic sets per prompt, the training
     checkpoint) and write it to `cfg.out/prefix`; returns the report (also `report.json`)."""
@@ -97,9 +129,13 @@ def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel, prompts: list[tuple
         ids.append(t)
     sets: list[list[Sample]] = []
     start = time.perf_counter()
-    for (name, _), t in zip(prompts, ids):  # the teacher reads each prompt alone: no prefix on its side
-        samples, _ = synthetic_set(cfg, teacher, edge, None, t, out / "synthetic" / name, tasks)
-        sets.append(samples)
+    if cfg.shared_targets == "labels":  # prefix-sft: no teacher at all
+        labels = prompt_labels(cfg.prompts)
+        sets = [label_samples(edge, labels[name], cfg.label_tokens) for name, _ in prompts]
+    else:
+        for (name, _), t in zip(prompts, ids):  # the teacher reads each prompt alone: no prefix on its side
+            samples, _ = synthetic_set(cfg, teacher, edge, None, t, out / "synthetic" / name, tasks)
+            sets.append(samples)
     teach_s = time.perf_counter() - start
     train_idx, held_idx = split_prompts(len(prompts), cfg.held_prompts, cfg.seed)
     first = init_ids(edge, cfg.shared_init, cfg.shared_tokens)
@@ -122,7 +158,9 @@ def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel, prompts: list[tuple
     start = time.perf_counter()
     log_, best = train_prefix(cfg, edge, student, loss, held_kl, out / "train", tasks, "train the shared prefix")
     train_s = time.perf_counter() - start
-    info = {"teacher": cfg.teacher, "teacher_fingerprint": teacher.fingerprint, "prompts": len(prompts),
+    labels = cfg.shared_targets == "labels"
+    info = {"targets": cfg.shared_targets, "teacher": None if labels else cfg.teacher,
+            "teacher_fingerprint": None if labels else teacher.fingerprint, "prompts": len(prompts),
             "prompts_sha256": prompts_hash(prompts), "train_prompts": [prompts[i][0] for i in train_idx],
             "held_out_prompts": [prompts[i][0] for i in held_idx], "steps": log_[-1]["step"] if log_ else 0,
             "best_step": best["step"], "held_out_kl": best["kl"],

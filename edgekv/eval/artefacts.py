@@ -60,14 +60,13 @@ class Artefacts:
         self.exports: dict[tuple[str, str], tuple[Path, dict]] = {}
         self._layers_family: tuple | None = None
         self._layers_cache: dict = {}
-        self._shared: SharedPrefix | None = None
+        self._shared: dict[str, SharedPrefix] = {}
 
-    @property
-    def shared(self) -> SharedPrefix:
-        """The run's shared prefix (`shared`), loaded and verified once."""
-        if self._shared is None:
-            self._shared = SharedPrefix(self.cfg.shared, self.edge)
-        return self._shared
+    def shared_prefix(self, path: str) -> SharedPrefix:
+        """A shared prefix for the edge, loaded and verified once per run."""
+        if path not in self._shared:
+            self._shared[path] = SharedPrefix(path, self.edge)
+        return self._shared[path]
 
     # ------------------------------------------------------------------------------------------- preparation
 

@@ -73,6 +73,7 @@ class EvalConfig(ModelSettings):
     fuser_path: str | None = setting(None, "A trained fuser for ce-lslm-fuse (`edgekv train-fuser`).")
     distill_config: str | None = "configs/distill.yaml"  # the distilled strategies' `edgekv distill` settings
     shared: str | None = setting(None, "A shared prefix for the *-shared strategies (distill --train-shared).")
+    shared_sft: str | None = setting(None, "prefix-sft's prefix (distill --train-shared --shared-targets labels).")
     # `notes`: the cloud writes notes on the system prompt (an instruction that is not the eval's), greedy, and the
     # edge reads prompt + notes
     notes_instruction: str = ("\n\nWrite short notes on the text above for a reader who will answer questions "

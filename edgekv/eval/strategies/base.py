@@ -95,15 +95,21 @@ class KVStrategy(Strategy):
     """A strategy that answers on a KV export of the system prompt, made on the cloud side by `make_export`."""
 
     ships_kv: ClassVar[bool] = True
-    under_shared: ClassVar[bool] = False  # the export was made under the run's shared prefix, read under it
+    # the eval setting naming the shared prefix its export is made and read under (None: no prefix)
+    prefix_setting: ClassVar[str | None] = None
 
     def validate(self, cfg) -> None:
-        if self.under_shared and not cfg.shared:
-            raise EdgeKVError(f"strategy {self.name} needs shared (a shared prefix of `edgekv distill "
+        if self.prefix_setting and not getattr(cfg, self.prefix_setting):
+            raise EdgeKVError(f"strategy {self.name} needs {self.prefix_setting} (a shared prefix of `edgekv distill "
                               "--train-shared`)")
 
+    def shared_path(self, a: Artefacts) -> str | None:
+        """The shared prefix this strategy's exports are made and read under (None: none)."""
+        return getattr(a.cfg, self.prefix_setting) if self.prefix_setting else None
+
     def _shared(self, a: Artefacts):
-        return a.shared if self.under_shared else None
+        path = self.shared_path(a)
+        return a.shared_prefix(path) if path else None
 
     def cloud_model(self, a: Artefacts) -> LoadedModel:
         """The model that computes the export's KV."""

@@ -69,7 +69,7 @@ class DistillStrategy(KVStrategy):
         return replace(cfg, out=str(work), system_prompt=f"@{prompt_file}", prompts=None, cloud=c.cloud, edge=c.edge,
                        dtype=c.dtype, teacher=self.teacher, compress=self.factor, length=None,
                        steps=self.steps if self.steps is not None else self.train_steps or cfg.steps,
-                       instructions=instructions, seeds=seeds, shared=c.shared if self.under_shared else None,
+                       instructions=instructions, seeds=seeds, shared=self.shared_path(a),
                        synthetic_dir=str(work.parent.parent / f"synthetic-{self.teacher}-{self.variant or 'all'}"
                                          / work.name))
 
@@ -95,7 +95,7 @@ class CeLslmDistillShared(DistillStrategy):
     KV read after the prefix, and is read after it; the teacher's synthetic sets are ce-lslm-distill's."""
 
     base = "ce-lslm-distill-shared"
-    under_shared = True
+    prefix_setting = "shared"
 
 
 @register_strategy

@@ -42,10 +42,19 @@ class EdgePromptShared(EdgePrompt):
     prefix's K tokens; the export holds the prompt's tokens only (the prefix ships once per model pair)."""
 
     base = "edgeprompt-shared"
-    under_shared = True
+    prefix_setting = "shared"
 
     def _compress_config(self, a):
-        return replace(super()._compress_config(a), shared=a.cfg.shared)
+        return replace(super()._compress_config(a), shared=self.shared_path(a))
+
+
+@register_strategy
+class PrefixSft(EdgePromptShared):
+    """EdgePrompt under a prefix of the same K tokens trained on the training prompts' own labels (`shared_sft`:
+    `edgekv distill --train-shared --shared-targets labels`): what labels would give, beside what the cloud gives."""
+
+    base = "prefix-sft"
+    prefix_setting = "shared_sft"
 
 
 @register_strategy
