@@ -72,6 +72,7 @@ def test_training_lowers_held_out_kl_resumes_bit_exactly_and_ships(pair, prompts
     straight = run_distill(_cfg(tmp_path / "a", prompts), models=(cloud, edge))["shared"]
     s = straight["shared_prefix"]
     assert s["held_out_kl"] < s["initial_held_out_kl"]  # held-out prompts: never trained on
+    assert s["no_prefix_held_out_kl"] > 0  # the same exchanges read without any prefix (EdgePrompt)
     assert len(s["held_out_prompts"]) == 2 and not set(s["held_out_prompts"]) & set(s["train_prompts"])
     assert (tmp_path / "a" / "s" / "loss_curve.png").stat().st_size > 0
     run_distill(_cfg(tmp_path / "b", prompts, steps=4), models=(cloud, edge))

@@ -28,7 +28,7 @@ import torch
 
 from edgekv import EdgeKVError
 from edgekv.atomic import write_text_atomic
-from edgekv.attention.prefix_kv import joined, prefill_after, prefix_kv
+from edgekv.attention.prefix_kv import PrefixKV, joined, prefill_after, prefix_kv
 from edgekv.distill.student import Student, sample_loss, train_prefix
 from edgekv.distill.synthetic import synthetic_set
 from edgekv.distill.teacher import Sample
@@ -137,6 +137,9 @@ def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel | None, prompts: lis
             samples, _ = synthetic_set(cfg, teacher, edge, None, t, out / "synthetic" / name, tasks)
             sets.append(samples)
     teach_s = time.perf_counter() - start
+    for (name, _), samples in zip(prompts, sets):
+        if not samples:
+            raise EdgeKVError(f"{name}: no usable exchanges to train the shared prefix on")
     train_idx, held_idx = split_prompts(len(prompts), cfg.held_prompts, cfg.seed)
     first = init_ids(edge, cfg.shared_init, cfg.shared_tokens)
     student = initial_prefix(edge, first, cfg.freeze_first)
@@ -148,10 +151,10 @@ def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel | None, prompts: lis
         return sum(sample_loss(edge, prefix, s, cfg.query_loss) for s in picks) / cfg.batch
 
     @torch.no_grad()
-    def held_kl() -> float:
+    def held_kl(prefixed: bool = True) -> float:
         kls = []
         for p in held_idx:
-            prefix = reading(edge, student, ids[p], grad=False)
+            prefix = reading(edge, student, ids[p], grad=False) if prefixed else PrefixKV.of_model(edge.model, ids[p])
             kls += [float(sample_loss(edge, prefix, s)) for s in sets[p][:cfg.held_samples]]
         return sum(kls) / len(kls)
 
@@ -164,7 +167,9 @@ def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel | None, prompts: lis
             "prompts_sha256": prompts_hash(prompts), "train_prompts": [prompts[i][0] for i in train_idx],
             "held_out_prompts": [prompts[i][0] for i in held_idx], "steps": log_[-1]["step"] if log_ else 0,
             "best_step": best["step"], "held_out_kl": best["kl"],
-            "initial_held_out_kl": log_[0].get("held_out_kl") if log_ else None, "lr": cfg.lr, "batch": cfg.batch,
+            "initial_held_out_kl": log_[0].get("held_out_kl") if log_ else None,
+            "no_prefix_held_out_kl": held_kl(prefixed=False),  # EdgePrompt: the edge reading the prompt alone
+            "lr": cfg.lr, "batch": cfg.batch,
             "freeze_first": student.freeze_first, "query_loss": cfg.query_loss,
             "grad_through_prompt": cfg.grad_through_prompt, "init_text": cfg.shared_init, "seed": cfg.seed}
     path = write_shared_prefix(out / "prefix", edge, student.kv(), first, info, cfg.quant)
