@@ -15,7 +15,8 @@ from cli.main import app
 from edgekv import EdgeKVError
 from edgekv.attention.prefix_kv import PrefixKV, prefill_after, prefix_kv
 from edgekv.distill.distill_job import DistillConfig, run_distill
-from edgekv.distill.shared import init_ids
+from edgekv.distill.shared import init_ids, label_samples
+from edgekv.distill.student import sample_loss
 from edgekv.kv.export import KVStoreError
 from edgekv.kv.shared_prefix import SharedPrefix, write_shared_prefix
 from edgekv.models.loading import load_model
@@ -333,6 +334,11 @@ def test_prefix_sft_learns_the_labels_without_a_cloud(pair, tiny_models, prompts
     s = run_distill(cfg)["shared"]["shared_prefix"]  # loads the edge alone: the cloud path does not exist
     assert s["targets"] == "labels" and s["teacher"] is None
     assert s["held_out_kl"] < s["initial_held_out_kl"]  # cross-entropy on a held-out prompt's own label
+    # a one-token reference (as MMLU's gold letter is on the real tokenizer) is one row of loss: the byte
+    # tokenizer makes " " one token
+    one = label_samples(edge, [{"user": "Q: yes?\nAnswer:", "reference": ""}], 64)
+    assert len(one) == 1 and one[0].answer.numel() == 1
+    assert float(sample_loss(edge, PrefixKV.of_model(edge.model, torch.tensor([1, 2])), one[0])) > 0
     bad = tmp_path / "nolabels.jsonl"
     bad.write_text(json.dumps({"name": "a", "system_prompt": "System: x."}) + "\n" + json.dumps(
         {"name": "b", "system_prompt": "System: y."}) + "\n")

@@ -92,7 +92,7 @@ def label_samples(edge: LoadedModel, labels: list[dict], tokens: int) -> list[Sa
         user = torch.tensor(edge.tokenizer(pair["user"], add_special_tokens=False)["input_ids"], dtype=torch.long)
         ref = torch.tensor(edge.tokenizer(" " + pair["reference"], add_special_tokens=False)["input_ids"][:tokens],
                            dtype=torch.long)
-        if user.numel() and ref.numel() > 1:
+        if user.numel() and ref.numel():  # a one-token reference (MMLU's gold letter) is one row of loss
             seq = torch.cat([user, ref])
             out.append(Sample("label", user, ref, seq[1:, None], torch.zeros(seq.numel() - 1, 1)))
     return out
