@@ -35,6 +35,7 @@ from edgekv.eval.datasets import load_requests
 from edgekv.eval.stats import gap_closed, paired_bootstrap
 from edgekv.models.loading import load_model
 from edgekv.progress import Tasks
+from edgekv.texts import reference_ids
 
 ROOT = Path(__file__).resolve().parent.parent
 HELD = 16  # held-out exchanges per prompt (the issue asks for ≥ 16 fresh sequences)
@@ -75,7 +76,7 @@ def tuning_requests(tok, xsum: int, sharegpt: int) -> list:
 def reference_nll(model, prefix: PrefixKV, tok, req) -> float:
     """Mean NLL of the reference's first tokens after the user prompt, reading `prefix`."""
     user = torch.tensor(tok(req.user, add_special_tokens=False)["input_ids"])
-    ref = torch.tensor(tok(" " + req.reference, add_special_tokens=False)["input_ids"][:REFERENCE_TOKENS])
+    ref = reference_ids(tok, req.reference, REFERENCE_TOKENS)
     with torch.no_grad():
         return float(continuation_nll(model.model, prefix, user, ref))
 

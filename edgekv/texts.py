@@ -212,6 +212,11 @@ def xsum_documents(path: str | Path) -> list[str]:
     return [r["document"] for _, r in jsonl_records(read_text(path, "XSum sample").splitlines(), path)]
 
 
+def reference_ids(tokenizer, text: str, limit: int) -> torch.Tensor:
+    """A reference's first `limit` token ids as reference NLL scores it: continuing the user prompt after a space."""
+    return torch.tensor(tokenizer(" " + text, add_special_tokens=False)["input_ids"][:limit], dtype=torch.long)
+
+
 def tokenize(tokenizer, texts: list[str], max_tokens: int, min_tokens: int) -> list[torch.Tensor]:
     """Token ids per text, truncated to max_tokens; texts shorter than min_tokens are dropped."""
     seqs = []

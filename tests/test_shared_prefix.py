@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from edgekv import EdgeKVError
-from edgekv.attention.prefix_kv import PrefixKV, prefill_after, prefix_kv
+from edgekv.attention.prefix_kv import PrefixKV, prefill_after, prefix_kv, read_after
 from edgekv.distill.distill_job import DistillConfig, run_distill
 from edgekv.distill.shared import init_ids, label_samples
 from edgekv.distill.student import sample_loss
@@ -103,7 +103,8 @@ def test_the_edge_alone_reads_prefix_then_prompt(pair, prompts, tmp_path):
     ids = torch.tensor(edge.tokenizer(PROMPT)["input_ids"])
     assert session.system.prefix_len == session.system.next_position == 6 + ids.numel()
     assert session.describe()["shared_prefix"]["fingerprint"] == shared.fingerprint
-    want = shared.system_kv(edge.model, ids)
+    with torch.no_grad():
+        want = read_after(edge.model, shared.prefix, ids)
     for i in range(edge.num_layers):
         assert torch.equal(session.system.layer(i)[0], want.layer(i)[0])
     # greedy tokens of the session = a plain greedy loop over [prefix | prompt] with positions from K + P

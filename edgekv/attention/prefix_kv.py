@@ -257,10 +257,20 @@ def prefill_after(model: torch.nn.Module, prefix: PrefixKV, ids: torch.Tensor) -
             for layer in cache.layers]
 
 
+def prepend(first: KVPair, then: KVPair) -> KVPair:
+    """One layer's keys and values of `first`'s tokens followed by `then`'s (in `first`'s dtype)."""
+    return torch.cat([first[0], then[0].to(first[0].dtype)], 2), torch.cat([first[1], then[1].to(first[1].dtype)], 2)
+
+
 def joined(first: PrefixKV, then: list[KVPair], next_position: int | None = None) -> PrefixKV:
     """One prefix of `first`'s tokens followed by `then`'s (e.g. a shared prefix and a prompt read after it);
     differentiable in both."""
-    layers = [(torch.cat([k, tk.to(k.dtype)], 2), torch.cat([v, tv.to(v.dtype)], 2))
-              for (k, v), (tk, tv) in zip((first.layer(i) for i in range(first.num_layers)), then)]
+    layers = [prepend(first.layer(i), kv) for i, kv in enumerate(then)]
     n = first.prefix_len + then[0][0].shape[2]
     return PrefixKV(layers, n, next_position=n if next_position is None else next_position)
+
+
+def read_after(model: torch.nn.Module, prefix: PrefixKV, ids: torch.Tensor) -> PrefixKV:
+    """[prefix | `ids` read after it]: what the model reads for a prompt under a prefix (requests continue after
+    both)."""
+    return joined(prefix, prefill_after(model, prefix, ids))

@@ -248,8 +248,9 @@ def distill_one(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, nam
     return report
 
 
-def student_export(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, student: Student, ids: torch.Tensor,
-            index: torch.Tensor, work: Path, shared: SharedPrefix | None, distilled: dict) -> dict:
+def student_export(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, student: Student,
+                   ids: torch.Tensor, index: torch.Tensor, work: Path, shared: SharedPrefix | None,
+                   distilled: dict) -> dict:
     """The student as an EdgePrompt-format export (edge-shaped KV of every layer) + its report; under a shared
     prefix, the student's own tokens (positions relative to the prefix's end) and the prefix's fingerprint."""
     queries = same_model_layers(edge, ids, 0, cfg.window, cfg.seed, shared=shared)  # the edge's queries score ThinK
@@ -326,15 +327,13 @@ def run_distill(cfg: DistillConfig, progress=None, models: tuple[LoadedModel, Lo
     edge) already loaded (in-process only); the cloud is never loaded for `--teacher self`."""
     cfg.validate()
     prompts = prompts_of(cfg)
-    if cfg.train_shared:
-        worker = DistillWorker(cfg, models, progress)
-        Path(cfg.out).mkdir(parents=True, exist_ok=True)
-        write_text_atomic(Path(cfg.out) / "config.json", json.dumps(to_dict(cfg), indent=1))
-        return {"shared": run_shared(cfg, worker.edge, worker.teacher, prompts, worker.tasks)}
-    use_ray = cfg.ray is not None
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "config.json", json.dumps(to_dict(cfg), indent=1))
+    if cfg.train_shared:
+        worker = DistillWorker(cfg, models, progress)
+        return {"shared": run_shared(cfg, worker.edge, worker.teacher, prompts, worker.tasks)}
+    use_ray = cfg.ray is not None
     advance = Tasks(progress).task("distil system prompts", len(prompts))
     results = run_items(lambda: DistillWorker(cfg, None if use_ray else models, None if use_ray else progress),
                         prompts, address=cfg.ray or None, workers=cfg.workers, on_done=lambda r: advance(),

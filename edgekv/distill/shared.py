@@ -18,7 +18,6 @@ never needs; a one-hot target through the same top-k KL is exactly that cross-en
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import time
@@ -28,7 +27,7 @@ import torch
 
 from edgekv import EdgeKVError
 from edgekv.atomic import write_text_atomic
-from edgekv.attention.prefix_kv import PrefixKV, joined, prefill_after, prefix_kv
+from edgekv.attention.prefix_kv import PrefixKV, joined, prefill_after, prefix_kv, read_after
 from edgekv.distill.student import Student, sample_loss, train_prefix
 from edgekv.distill.synthetic import synthetic_set
 from edgekv.distill.teacher import Sample
@@ -38,7 +37,7 @@ from edgekv.models.loading import LoadedModel
 from edgekv.models.structure import attn_shape, model_device
 from edgekv.plots import loss_curve
 from edgekv.progress import Tasks
-from edgekv.texts import jsonl_records, read_text
+from edgekv.texts import jsonl_records, read_text, reference_ids
 
 
 def init_ids(edge: LoadedModel, text: str, tokens: int) -> torch.Tensor:
@@ -76,10 +75,13 @@ def split_prompts(n: int, held: int, seed: int) -> tuple[list[int], list[int]]:
     return sorted(order[held:]), sorted(order[:held])
 
 
-def reading(edge: LoadedModel, student: Student, ids: torch.Tensor, grad: bool = True):
-    """What the edge reads for a prompt under the current prefix: [prefix | the prompt prefilled after it]."""
+def reading(edge: LoadedModel, student: Student, ids: torch.Tensor, grad: bool = True) -> PrefixKV:
+    """What the edge reads for a prompt under the current prefix (`read_after`); without `grad`, the prompt's KV
+    is a constant of the step."""
     prefix = student.prefix()
-    with contextlib.nullcontext() if grad else torch.no_grad():
+    if grad:
+        return read_after(edge.model, prefix, ids)
+    with torch.no_grad():
         own = prefill_after(edge.model, prefix, ids)
     return joined(prefix, own)
 
@@ -90,8 +92,7 @@ def label_samples(edge: LoadedModel, labels: list[dict], tokens: int) -> list[Sa
     out = []
     for pair in labels:
         user = torch.tensor(edge.tokenizer(pair["user"], add_special_tokens=False)["input_ids"], dtype=torch.long)
-        ref = torch.tensor(edge.tokenizer(" " + pair["reference"], add_special_tokens=False)["input_ids"][:tokens],
-                           dtype=torch.long)
+        ref = reference_ids(edge.tokenizer, pair["reference"], tokens)
         if user.numel() and ref.numel():  # a one-token reference (MMLU's gold letter) is one row of loss
             seq = torch.cat([user, ref])
             out.append(Sample("label", user, ref, seq[1:, None], torch.zeros(seq.numel() - 1, 1)))

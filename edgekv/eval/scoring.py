@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 from edgekv.eval.artefacts import Artefacts
 from edgekv.eval.datasets import Request
 from edgekv.eval.metrics import BertScore, option_choice, rouge_l, upload_ratio
 from edgekv.eval.strategies import parse_strategy
 from edgekv.models.loading import LoadedModel
 from edgekv.serve.sampling import SamplingParams
+from edgekv.texts import reference_ids
 
 
 class Scorer:
@@ -58,8 +57,7 @@ def answer_row(artefacts: Artefacts, strategy: str, req: Request, scorer: Scorer
         answer = answer.split("\n")[0].strip()
     bytes_down = len(done.text.encode()) if a.answer_down else a.bytes_down
     scored = req.scored or req.reference
-    ref_ids = torch.tensor(model.tokenizer(" " + scored, add_special_tokens=False)["input_ids"]
-                           [: cfg.reference_tokens])
+    ref_ids = reference_ids(model.tokenizer, scored, cfg.reference_tokens)
     row = {
         "dataset": req.dataset, "strategy": strategy, "id": req.id, "index": index, "answer": answer,
         "reference": req.reference, "system_tokens": session.prefix_len, "user_tokens": int(user.numel()),

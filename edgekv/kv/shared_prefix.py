@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from edgekv import EdgeKVError
-from edgekv.attention.prefix_kv import PrefixKV, joined, prefill_after
+from edgekv.attention.prefix_kv import PrefixKV
 from edgekv.kv.codecs import quantize
 from edgekv.kv.export import Expect, KVExport, KVStoreError, export_manifest, tokenizer_fingerprint, write_export
 from edgekv.kv.unpack import decode_layer, edge_kv
@@ -45,8 +45,8 @@ def write_shared_prefix(out: str | Path, edge: LoadedModel, layers: list[tuple[t
 
 
 class SharedPrefix:
-    """A loaded, verified shared prefix for one edge model: `prefix` (a K-token `PrefixKV`), and a system prompt's
-    KV read after it (`system_kv`)."""
+    """A loaded, verified shared prefix for one edge model: `prefix`, a K-token `PrefixKV` (a system prompt under it
+    is `prefix_kv.read_after(model, prefix, ids)`)."""
 
     def __init__(self, path: str | Path, edge: LoadedModel):
         export = KVExport(path, Expect(edge_fingerprint=edge.fingerprint,
@@ -72,23 +72,17 @@ class SharedPrefix:
         """What a manifest or report records of the prefix it was made under."""
         return {"path": self.path, "fingerprint": self.fingerprint, "tokens": self.tokens}
 
-    def check(self, recorded: dict | None, what: str) -> None:
-        """Refuse `what` (made under the prefix `recorded`, None: under none) unless it was made under this one."""
-        have = (recorded or {}).get("fingerprint")
-        if have != self.fingerprint:
-            made = f"under shared prefix {have[:12]}…" if have else "without a shared prefix"
-            raise EdgeKVError(f"{what} was made {made}; it cannot be read under shared prefix "
-                              f"{self.fingerprint[:12]}… ({self.path})")
-
-    @torch.no_grad()
-    def system_kv(self, model: torch.nn.Module, ids: torch.Tensor) -> PrefixKV:
-        """[prefix | the system prompt's KV read after it]: K + P tokens, requests continue at K + P."""
-        return joined(self.prefix, prefill_after(model, self.prefix, ids))
 
 
-def refuse_prefixed(recorded: dict | None, what: str) -> None:
-    """Refuse `what` made under a shared prefix when none is given."""
-    if recorded:
-        raise EdgeKVError(f"{what} was made under shared prefix {recorded.get('fingerprint', '?')[:12]}…; give it "
-                          "with --shared")
+def check_made_under(shared: SharedPrefix | None, recorded: dict | None, what: str) -> None:
+    """Refuse `what`, made under the prefix `recorded` (None: under none), unless it is read under that same
+    prefix (`shared`, None: none)."""
+    have = (recorded or {}).get("fingerprint")
+    if shared is None:
+        if recorded:
+            raise EdgeKVError(f"{what} was made under shared prefix {(have or '?')[:12]}…; give it with --shared")
+    elif have != shared.fingerprint:
+        made = f"under shared prefix {have[:12]}…" if have else "without a shared prefix"
+        raise EdgeKVError(f"{what} was made {made}; it cannot be read under shared prefix "
+                          f"{shared.fingerprint[:12]}… ({shared.path})")
 

@@ -22,7 +22,7 @@ import torch
 
 from edgekv import EdgeKVError
 from edgekv.attention.fuse import enable_fusion
-from edgekv.attention.prefix_kv import PrefixKV, prefill_after, prefix_kv
+from edgekv.attention.prefix_kv import PrefixKV, prefill_after, prefix_kv, prepend
 from edgekv.kv.export import (
     Expect,
     FetchError,
@@ -34,7 +34,7 @@ from edgekv.kv.export import (
     write_copy,
 )
 from edgekv.kv.fusers import Fuser
-from edgekv.kv.shared_prefix import SharedPrefix, refuse_prefixed
+from edgekv.kv.shared_prefix import SharedPrefix, check_made_under
 from edgekv.kv.unpack import decode_layer, edge_kv
 from edgekv.models.loading import LoadedModel
 from edgekv.models.structure import KVPair, attn_shape, check_context, decoder_layers, model_device
@@ -82,13 +82,11 @@ class SystemKV(PrefixKV):
         self.next_position = int(manifest.get("next_position", self.prefix_len))
         self.distilled = "distilled" in manifest
         self.shared, self._joined = shared, {}
+        if self.export is not None:
+            check_made_under(shared, manifest.get("under_shared"), f"the KV export {kv}")
         if shared is not None:
-            if self.export is not None:
-                shared.check(manifest.get("under_shared"), f"the KV export {kv}")
             self.prefix_len += shared.tokens
             self.next_position += shared.tokens
-        elif self.export is not None:
-            refuse_prefixed(manifest.get("under_shared"), f"the KV export {kv}")
         check_context(self.model.config, max(self.next_position, self.prefix_len), "the system prompt")
         self.splice = self.export.manifest.get("splice", "replace") if self.export is not None else "replace"
         if shared is not None and self.splice == "fuse":
@@ -249,12 +247,8 @@ class SystemKV(PrefixKV):
         if self.shared is None:
             return self._prompt_layer(i)
         if i not in self._joined:
-            self._joined[i] = self._with_prefix(i, self._prompt_layer(i))
+            self._joined[i] = prepend(self.shared.prefix.layer(i), self._prompt_layer(i))
         return self._joined[i]
-
-    def _with_prefix(self, i: int, kv: KVPair) -> KVPair:
-        pk, pv = self.shared.prefix.layer(i)
-        return torch.cat([pk, kv[0].to(pk.dtype)], 2), torch.cat([pv, kv[1].to(pv.dtype)], 2)
 
     def _prompt_layer(self, i: int) -> KVPair:
         if self.splice == "fuse":

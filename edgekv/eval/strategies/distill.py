@@ -33,6 +33,7 @@ from edgekv.distill.student import initial_student, train_student
 from edgekv.distill.teacher import BatchedTeacher, Sample
 from edgekv.eval.strategies.base import Answering, KVStrategy, Strategy, register_strategy
 from edgekv.serve.session import EdgeSession
+from edgekv.texts import reference_ids
 
 
 @dataclass(frozen=True)
@@ -131,9 +132,7 @@ class OracleKV(Strategy):
         start = time.perf_counter()
         if not (work / "kv" / "manifest.json").exists():
             user = torch.tensor(a.edge.tokenizer(req.user, add_special_tokens=False)["input_ids"], dtype=torch.long)
-            scored = req.scored or req.reference
-            ref = torch.tensor(a.edge.tokenizer(" " + scored, add_special_tokens=False)["input_ids"]
-                               [:a.cfg.reference_tokens], dtype=torch.long)
+            ref = reference_ids(a.edge.tokenizer, req.scored or req.reference, a.cfg.reference_tokens)
             sample = Sample("oracle", user, ref)
             BatchedTeacher.of_prompt(a.cloud, ids).score([sample], cfg.top_k)
             student, index = initial_student(a.edge, ids, ids.numel(), "all", freeze_first=cfg.freeze_first)
