@@ -130,28 +130,42 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
-def _exact_int4(spec: str, source: str) -> dict:
-    """A GGUF model's Q4_K tensors as exact int4 (see models/quantized.py), {} for other sources. For a packaged
-    default they are extracted once (re-assembling its GGUF) and kept beside its converted copy."""
-    from safetensors.torch import load_file, save_file
+def _from_gguf(spec: str, source: str, weights: str) -> dict:
+    """What a GGUF model's own blocks give `weights` (see models/quantized.py), {} for other sources: its Q4_K
+    tensors as exact int4 for int4, every tensor the kernels decode for gguf. For a packaged default they are
+    extracted once (re-assembling its GGUF) and kept beside its converted copy."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
 
+    from edgekv.models.gguf_linear import read_blocks
     from edgekv.models.quantized import Int4Weight, gguf_q4k_weights
 
+    if weights not in ("int4", "gguf"):
+        return {}
+    read = gguf_q4k_weights if weights == "int4" else read_blocks
     kind, _, where = source.partition(":")
     if kind == "gguf":
-        return gguf_q4k_weights(where)
+        return read(where)
     if kind != "default":
         return {}
-    cached = Path(where) / "q4k-int4.safetensors"
+    cached = Path(where) / ("q4k-int4.safetensors" if weights == "int4" else "gguf-blocks.safetensors")
     if not cached.exists():
         with tempfile.TemporaryDirectory(dir=Path(where).parent, prefix=".assemble-") as tmp:
-            gguf = assemble_gguf(DEFAULT_MODELS[spec], Path(tmp))
-            found = gguf_q4k_weights(str(gguf))
-            tensors = {f"{n}.{part}": getattr(w, part).contiguous() for n, w in found.items()
-                       for part in ("q", "scale", "zero")}
-            save_file(tensors, str(Path(tmp) / cached.name))
+            found = read(str(assemble_gguf(DEFAULT_MODELS[spec], Path(tmp))))
+            if weights == "int4":
+                tensors = {f"{n}.{part}": getattr(w, part).contiguous() for n, w in found.items()
+                           for part in ("q", "scale", "zero")}
+                meta = None
+            else:
+                tensors = {n: rows for n, (_, rows) in found.items()}
+                meta = {n: str(t) for n, (t, _) in found.items()}
+            save_file(tensors, str(Path(tmp) / cached.name), metadata=meta)
             os.replace(Path(tmp) / cached.name, cached)
-    tensors = load_file(str(cached))
+    with safe_open(str(cached), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta = f.metadata() or {}
+    if weights == "gguf":
+        return {n: (int(meta[n]), rows) for n, rows in tensors.items()}
     names = {k.rsplit(".", 1)[0] for k in tensors}
     return {n: Int4Weight(tensors[f"{n}.q"], tensors[f"{n}.scale"], tensors[f"{n}.zero"]) for n in names}
 
@@ -160,7 +174,8 @@ def load_model(spec: str, dtype: str = "bfloat16", device_map: str | None = None
                device: str | None = None, weights: str = "bf16") -> LoadedModel:
     """Load a causal LM and its tokenizer from an alias, a .gguf file, a local directory or a hub id, onto
     `device` (cpu, cuda, auto) or sharded by an accelerate `device_map`; `weights` int8/int4 swaps its linears
-    for weight-only quantized ones (int4 from a GGUF's own Q4_K blocks where it has them)."""
+    for weight-only quantized ones (int4 from a GGUF's own Q4_K blocks where it has them; gguf: every linear on
+    the file's own blocks, the bf16 model's numbers, hence its fingerprint)."""
     from edgekv.models.quantized import check_weights, quantize_linears
 
     check_weights(weights)  # before the load: a typo costs no minute of loading
@@ -177,10 +192,10 @@ def load_model(spec: str, dtype: str = "bfloat16", device_map: str | None = None
         model.to(target)
     model.eval()
     fingerprint, quantization = _fingerprint(spec, r.source, model), None
-    if weights != "bf16":  # another model numerically: exports made by the bf16 model are refused
-        exact = _exact_int4(spec, r.source) if weights == "int4" else {}
-        quantization = quantize_linears(model, weights, exact)
-        fingerprint += f"+{weights}"
+    if weights != "bf16":
+        quantization = quantize_linears(model, weights, _from_gguf(spec, r.source, weights))
+        if weights != "gguf":  # another model numerically: exports made by the bf16 model are refused
+            fingerprint += f"+{weights}"
     return LoadedModel(spec=spec, model=model, tokenizer=load_tokenizer(spec), source=r.source,
                        fingerprint=fingerprint, quantization=quantization)
 

@@ -1,4 +1,5 @@
-"""Weight-only quantized linears for the edge (`--weights int8|int4`) on torch's own CPU kernels.
+"""Weight-only quantized linears for the edge (`--weights gguf|int8|int4`): the GGUF's own blocks on edgekv's
+kernels (models/gguf_linear.py), or int8/int4 on torch's own CPU kernels.
 
 Decode at batch 1 is memory-bound: the edge reads every weight once per token. int4 (group-32 asymmetric,
 w = (q − 8)·scale + zero, q ∈ 0..15) and int8 (per-output-channel symmetric) read 4× / 2× fewer bytes than bf16
@@ -21,12 +22,13 @@ import numpy as np
 import torch
 
 from edgekv import EdgeKVError
+from edgekv.models.gguf_linear import module_name
 from edgekv.models.prepack import page_out
 from edgekv.models.structure import model_device
 from edgekv.runtime import trim_heap
 
 log = logging.getLogger("edgekv")
-WEIGHTS = ("bf16", "int8", "int4")
+WEIGHTS = ("gguf", "bf16", "int8", "int4")
 GROUP = 32
 CPU_PACK_ROWS = 64  # output channels per block of torch's packed CPU int4 layout
 
@@ -164,18 +166,21 @@ def check_weights(weights: str) -> None:
 
 
 @torch.no_grad()  # the weights are parameters: an autograd graph would keep every float32 work copy alive
-def quantize_linears(model: torch.nn.Module, weights: str, exact: dict[str, Int4Weight] | None = None) -> dict:
-    """Replace every nn.Linear of the decoder and the LM head by its int8/int4 form (in place); a layer whose shape
-    the kernel cannot take stays as it is, with one log line. `exact` supplies int4 weights by module name (Q4_K
-    from a GGUF). Returns counts: quantized, exact, kept, and the bytes of the linear weights before and after."""
+def quantize_linears(model: torch.nn.Module, weights: str, exact: dict | None = None) -> dict:
+    """Replace every nn.Linear of the decoder and the LM head by its gguf/int8/int4 form (in place); a layer the
+    kernel cannot take stays as it is, with one log line. `exact` supplies, by module name, int4 weights (Q4_K from
+    a GGUF) for int4 and the GGUF's (type, blocks) for gguf. Returns counts: quantized, exact, kept, and the bytes
+    of the linear weights before and after."""
     check_weights(weights)
     report = {"weights": weights, "quantized": 0, "exact_from_gguf": 0, "kept": [], "bytes_before": 0,
               "bytes_after": 0}
     if weights == "bf16":
         return report
     if model_device(model).type != "cpu":
-        raise EdgeKVError(f"--weights {weights} uses torch's CPU kernels: run it with --device cpu")
+        raise EdgeKVError(f"--weights {weights} uses CPU kernels: run it with --device cpu")
     exact = exact or {}
+    if weights == "gguf":
+        return _gguf_linears(model, exact, report)
     dtype = next(model.parameters()).dtype
     targets = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     for name in targets:
@@ -205,9 +210,37 @@ def quantize_linears(model: torch.nn.Module, weights: str, exact: dict[str, Int4
     return report
 
 
-GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-              "ffn_down": "mlp.down_proj"}
+def _gguf_linears(model: torch.nn.Module, blocks: dict, report: dict) -> dict:
+    """`quantize_linears` for `gguf`: each linear with a GGUF tensor the kernels decode runs on its blocks."""
+    from edgekv.models.gguf_linear import GGUFLinear, kernels, why_not
+
+    targets = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    if not blocks:
+        log.warning("--weights gguf: the model is not a GGUF, so there are no blocks: the linears stay dense")
+    if not blocks or kernels() is None:  # the kernels say why themselves
+        report["kept"] = targets
+        return report
+    for name in targets:
+        linear = model.get_submodule(name)
+        n, k = linear.weight.shape
+        report["bytes_before"] += linear.weight.numel() * linear.weight.element_size()
+        why = why_not(linear, blocks.get(name))
+        if why is not None:
+            log.info("%s stays dense: %s", name, why)
+            report["kept"].append(name)
+            report["bytes_after"] += linear.weight.numel() * linear.weight.element_size()
+            continue
+        ggml_type, rows = blocks[name]
+        new = GGUFLinear(rows, ggml_type, k, linear.bias, linear.weight.dtype)
+        report["bytes_after"] += new.blocks.numel()
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+        page_out(linear.weight)
+        del linear
+        report["quantized"] += 1
+        report["exact_from_gguf"] += 1
+    trim_heap()
+    return report
 
 
 def gguf_q4k_weights(gguf_path: str) -> dict[str, Int4Weight]:
@@ -216,14 +249,8 @@ def gguf_q4k_weights(gguf_path: str) -> dict[str, Int4Weight]:
 
     out = {}
     for t in gguf.GGUFReader(gguf_path).tensors:
-        if t.tensor_type != gguf.GGMLQuantizationType.Q4_K:
-            continue
-        parts = t.name.split(".")
-        if t.name == "output.weight":
-            name = "lm_head"
-        elif parts[0] == "blk" and parts[2] in GGUF_NAMES:
-            name = f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}"
-        else:
+        name = module_name(t.name)
+        if t.tensor_type != gguf.GGMLQuantizationType.Q4_K or name is None:
             continue
         k, n = (int(x) for x in t.shape)  # GGUF lists the row length first
         out[name] = q4k_to_int4(np.asarray(t.data), n, k)

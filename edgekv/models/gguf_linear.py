@@ -1,0 +1,139 @@
+"""The edge's linears in the GGUF file's own blocks (`--weights gguf`): the bytes llama.cpp reads, the numbers of
+the bf16 model.
+
+A GGUF tensor of type Q4_K, Q5_0, Q6_K or Q8_0 keeps its blocks as they are in the file (uint8 rows; Q5_0 is 5.5
+bits a weight, Q8_0 8.5). `gguf_kernels.cpp`, compiled once per machine by torch's extension loader, decodes each
+block exactly as ggml and gguf-py do, rounds each weight to bf16 and multiplies with vdpbf16ps (AVX-512 BF16;
+elsewhere float32 FMAs), so every weight the product uses is bit-equal to the bf16 dequantized model's (checked
+at load, one row a tensor, and in the tests on every block type) and only the order of the float32 sums differs
+from oneDNN's. That is why a `gguf` edge keeps the bf16 model's fingerprint: exports made by the bf16 model are
+its own. Every row count takes the same kernel, so a spliced prefix equals the model's own full prefill bit for
+bit, as with int4. A tensor of another type (F16/F32, other quants), a model that is not a GGUF, a float32 model
+or a machine where the kernels cannot be built keeps its dense linears, with one log line.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger("edgekv")
+SOURCE = Path(__file__).with_name("gguf_kernels.cpp")
+BLOCKS = {8: ("Q8_0", 32, 34), 6: ("Q5_0", 32, 22), 12: ("Q4_K", 256, 144), 14: ("Q6_K", 256, 210)}  # ggml ids
+GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+              "ffn_down": "mlp.down_proj"}
+
+
+def module_name(tensor: str) -> str | None:
+    """The transformers module a Llama/Qwen-layout GGUF weight belongs to (`blk.3.ffn_up.weight` →
+    `model.layers.3.mlp.up_proj`, `output.weight` → `lm_head`), None for anything that is not a linear."""
+    parts = tensor.split(".")
+    if tensor == "output.weight":
+        return "lm_head"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_NAMES and parts[3] == "weight":
+        return f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}"
+    return None
+
+
+def _machine_tag() -> str:
+    """The build's key: the source, torch and this CPU (the kernels are compiled for the machine they run on)."""
+    flags = ""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        pass
+    key = f"{SOURCE.read_bytes().hex()}|{torch.__version__}|{platform.machine()}|{flags}"
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+@functools.cache
+def kernels():
+    """The compiled kernels (first use on a machine: ~1 min), or None with one log line where they cannot be built."""
+    if os.environ.get("EDGEKV_NO_GGUF_KERNELS"):  # a switch to run (and test) the fallback
+        log.warning("gguf kernels switched off (EDGEKV_NO_GGUF_KERNELS): the linears stay dense")
+        return None
+    from edgekv.models.packaged import cache_root
+
+    tag = _machine_tag()
+    # OpenMP: at::parallel_for is a loop without it; no contraction: only the FMAs the source writes fuse
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags += ["-march=native", "-mprefer-vector-width=512"]
+    try:
+        from torch.utils.cpp_extension import load
+
+        build = cache_root() / "kernels" / tag
+        build.mkdir(parents=True, exist_ok=True)
+        return load(name=f"edgekv_gguf_{tag}", sources=[str(SOURCE)], extra_cflags=flags,
+                    build_directory=str(build), verbose=False)
+    except Exception as exc:  # noqa: BLE001 - any build failure (no compiler, no ninja, odd CPU) means: fall back
+        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        log.warning("gguf kernels cannot be built here (%s): the linears stay dense", reason)
+        return None
+
+
+def read_blocks(gguf_path: str) -> dict[str, tuple[int, torch.Tensor]]:
+    """Every linear weight of a GGUF whose type the kernels decode: module name → (ggml type, uint8 [N, row bytes])."""
+    import gguf
+
+    out = {}
+    for t in gguf.GGUFReader(gguf_path).tensors:
+        name = module_name(t.name)
+        if name is None or int(t.tensor_type) not in BLOCKS:
+            continue
+        n = int(t.shape[1])  # GGUF lists the row length first
+        out[name] = (int(t.tensor_type), torch.from_numpy(np.ascontiguousarray(t.data).reshape(n, -1).copy()))
+    return out
+
+
+class GGUFLinear(torch.nn.Module):
+    """A linear layer on its GGUF blocks (inference only): y = x Wᵀ + b with W's weights as the bf16 model's."""
+
+    def __init__(self, blocks: torch.Tensor, ggml_type: int, in_features: int, bias: torch.Tensor | None,
+                 dtype: torch.dtype):
+        super().__init__()
+        _, values, nbytes = BLOCKS[ggml_type]
+        if in_features % values or blocks.shape[1] != in_features // values * nbytes:
+            raise ValueError(f"{BLOCKS[ggml_type][0]} rows of {blocks.shape[1]} bytes do not hold {in_features} values")
+        self.ggml_type, self.in_features, self.out_features, self.dtype = ggml_type, in_features, blocks.shape[0], dtype
+        self.register_buffer("blocks", blocks.contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+
+    def weight_bf16(self, rows: slice = slice(None)) -> torch.Tensor:
+        """The bf16 model's weights of `rows` (the file's, rounded to bf16)."""
+        return kernels().gguf_dequantize(self.blocks[rows].contiguous(), self.ggml_type, self.in_features).bfloat16()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        y = kernels().gguf_mm(flat, self.blocks, self.ggml_type)  # float32: the bias joins before the rounding
+        y = (y if self.bias is None else y + self.bias).to(self.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {BLOCKS[self.ggml_type][0]}"
+
+
+def why_not(linear: torch.nn.Linear, found: tuple[int, torch.Tensor] | None) -> str | None:
+    """Why `linear` cannot take the GGUF blocks `found` (type, rows), or None: a missing tensor, a dtype the
+    kernels do not take, or rows that do not decode to the linear's own weights (checked on its first row)."""
+    if found is None:
+        return "no Q4_K/Q5_0/Q6_K/Q8_0 tensor for it in the GGUF"
+    if linear.weight.dtype != torch.bfloat16:
+        return f"the kernels take bf16 models, this one is {str(linear.weight.dtype).removeprefix('torch.')}"
+    ggml_type, rows = found
+    n, k = linear.weight.shape
+    _, values, nbytes = BLOCKS[ggml_type]
+    if rows.shape[0] != n or k % values or rows.shape[1] != k // values * nbytes:
+        return f"its {BLOCKS[ggml_type][0]} tensor's shape does not match {n}×{k}"
+    first = kernels().gguf_dequantize(rows[:1].contiguous(), ggml_type, k).bfloat16()
+    if not torch.equal(first, linear.weight[:1].detach()):
+        return "its GGUF rows do not decode to the loaded weights (a reordering loader?)"
+    return None

@@ -1,0 +1,183 @@
+"""`--weights gguf`: the GGUF block kernels against gguf's own dequantizer (every block type, random blocks and the
+real edge's tensors), products against float64, row independence (a spliced prefix equals the full prefill), the
+fallbacks with their one log line, and the real edge's logits against its bf16 model."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from edgekv.models import gguf_linear as gl
+from edgekv.models import quantized as qz
+from tests.helpers import SYSTEM, USERS, byte_tokenizer, save_model, tiny_qwen2
+
+BLOCK_TYPES = {"Q8_0": 8, "Q5_0": 6, "Q4_K": 12, "Q6_K": 14}
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    ext = gl.kernels()
+    assert ext is not None, "the gguf kernels must build on the test machine (gcc and ninja are dependencies)"
+    return ext
+
+
+def random_blocks(name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """n rows of random `name` blocks holding k values each, with finite fp16 scales (uint8 [n, row bytes])."""
+    _, values, nbytes = gl.BLOCKS[BLOCK_TYPES[name]]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n * k // values, nbytes), dtype=np.uint8)
+    scale = lambda count: np.frombuffer(  # noqa: E731
+        rng.uniform(1e-3, 2e-2, count).astype(np.float16).tobytes(), np.uint8).reshape(-1, 2)
+    blocks = raw.shape[0]
+    if name in ("Q8_0", "Q5_0"):
+        raw[:, 0:2] = scale(blocks)
+    elif name == "Q4_K":
+        raw[:, 0:2], raw[:, 2:4] = scale(blocks), scale(blocks)
+    else:  # Q6_K: d is the last two bytes
+        raw[:, 208:210] = scale(blocks)
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("name", list(BLOCK_TYPES))
+def test_each_block_type_decodes_as_ggufs_dequantizer(kernels, name):
+    """Random blocks: the kernels' decoding (float32) bit-equal to gguf-py's dequantizer."""
+    import gguf
+
+    n, k = 24, 512
+    raw = random_blocks(name, n, k)
+    want = gguf.quants.dequantize(raw, BLOCK_TYPES[name]).reshape(n, k).astype(np.float32)
+    rows = torch.from_numpy(raw.copy())
+    assert np.array_equal(kernels.gguf_dequantize(rows, BLOCK_TYPES[name], k).numpy(), want)
+
+
+@pytest.mark.parametrize("name", list(BLOCK_TYPES))
+def test_the_product_is_the_files_weights_times_bf16_rows_and_rows_are_independent(kernels, name):
+    """y = x·Wᵀ with W the file's weights (gguf-py's float32 dequantization, not rounded to bf16): within 1e-5 of
+    the output scale against float64 (float32 sums); a row's result is bit-equal whatever rows come with it
+    (1, 3, 4, 9 rows), so a splice equals the full prefill."""
+    n, k = 37, 768  # neither a multiple of the kernels' 4-row tiles
+    rows = torch.from_numpy(random_blocks(name, n, k, seed=1).copy())
+    lin = gl.GGUFLinear(rows, BLOCK_TYPES[name], k, torch.randn(n), torch.bfloat16)
+    x = torch.randn(9, k).bfloat16()
+    want = x.double() @ kernels.gguf_dequantize(rows, BLOCK_TYPES[name], k).double().T
+    got = kernels.gguf_mm(x, rows, BLOCK_TYPES[name]).double()
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    full = lin(x)
+    for m in (1, 3, 4):
+        assert torch.equal(lin(x[:m]), full[:m])
+    assert torch.equal(lin(x[5:6]), full[5:6])
+
+
+def test_linears_that_cannot_take_blocks_stay_dense_and_say_so(kernels, caplog):
+    """A missing tensor, a float32 model, a shape mismatch, rows that decode to other weights: one line each."""
+    import gguf
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(64, 32) for _ in range(4))).to(torch.bfloat16)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    for i in range(4):
+        w = model[i].weight.detach().float().numpy()
+        model[i].weight.data = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, q8), q8)).bfloat16()
+    good = lambda i: (8, torch.from_numpy(gguf.quants.quantize(model[i].weight.detach().float().numpy(), q8)))  # noqa: E731
+    blocks = {"1": (8, good(1)[1][:16]), "2": good(3), "3": good(3)}  # "0" missing; "1" half its rows; "2" others'
+    with caplog.at_level(logging.INFO, logger="edgekv"):
+        report = qz.quantize_linears(model, "gguf", blocks)
+    assert report["quantized"] == 1 and report["kept"] == ["0", "1", "2"] and isinstance(model[3], gl.GGUFLinear)
+    assert "0 stays dense: no Q4_K/Q5_0/Q6_K/Q8_0 tensor" in caplog.text
+    assert "1 stays dense: its Q8_0 tensor's shape does not match 32×64" in caplog.text
+    assert "2 stays dense: its GGUF rows do not decode to the loaded weights" in caplog.text
+    f32 = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="edgekv"):
+        assert qz.quantize_linears(f32, "gguf", {"0": good(0)})["kept"] == ["0"]
+    assert "the kernels take bf16 models, this one is float32" in caplog.text
+
+
+def test_a_model_that_is_not_a_gguf_and_a_machine_without_kernels_fall_back_in_one_line(monkeypatch, caplog):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 32)).to(torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="edgekv"):
+        assert qz.quantize_linears(model, "gguf", {})["kept"] == ["0", "1"]
+    assert len(caplog.records) == 1 and "not a GGUF" in caplog.text
+    monkeypatch.setenv("EDGEKV_NO_GGUF_KERNELS", "1")
+    gl.kernels.cache_clear()
+    caplog.clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="edgekv"):
+            report = qz.quantize_linears(model, "gguf", {"0": (8, torch.zeros(32, 68, dtype=torch.uint8))})
+        assert report["kept"] == ["0", "1"] and isinstance(model[0], torch.nn.Linear)
+        assert len(caplog.records) == 1 and "switched off" in caplog.text
+    finally:
+        gl.kernels.cache_clear()
+
+
+def _quantize_tiny(edge, kinds: tuple[str, ...] = ("Q8_0", "Q5_0")) -> dict:
+    """The tiny model's linears as GGUF blocks (alternating types), its weights set to their dequantization."""
+    import gguf
+
+    blocks = {}
+    names = [n for n, m in edge.model.named_modules() if isinstance(m, torch.nn.Linear)]
+    for i, name in enumerate(names):
+        linear = edge.model.get_submodule(name)
+        t = BLOCK_TYPES[kinds[i % len(kinds)]]
+        q = gguf.quants.quantize(linear.weight.detach().float().numpy(), t)
+        linear.weight.data = torch.from_numpy(gguf.quants.dequantize(q, t)).bfloat16()
+        blocks[name] = (t, torch.from_numpy(q.copy()))
+    return blocks
+
+
+def test_tiny_gguf_edge_splice_equals_its_own_full_prefill_and_keeps_the_bf16_fingerprint(tmp_path, kernels):
+    """Greedy on a tiny edge on Q8_0/Q5_0 blocks: a system prompt spliced from an export made by the bf16 model
+    (the same fingerprint: the same file's weights) answers as the gguf model's own `generate` on the concatenation;
+    logits within bf16 rounding of the bf16 model's."""
+    from edgekv.models.loading import load_model
+    from edgekv.serve.sampling import SamplingParams
+    from edgekv.serve.session import EdgeSession
+
+    model = tiny_qwen2(3, 64, 4, 2, seed=7, init=0.2).to(torch.bfloat16)
+    edge_dir = save_model(model, byte_tokenizer(), tmp_path / "edge")
+    bf16 = load_model(edge_dir, "bfloat16")
+    blocks = _quantize_tiny(bf16)
+    save_model(bf16.model, bf16.tokenizer, tmp_path / "edge")  # the "file": the weights are the blocks' own
+    bf16, edge = load_model(edge_dir, "bfloat16"), load_model(edge_dir, "bfloat16")
+    report = qz.quantize_linears(edge.model, "gguf", blocks)
+    assert report["quantized"] == 3 * 7 + 1 and not report["kept"] and edge.fingerprint == bf16.fingerprint
+    ids = torch.tensor([edge.tokenizer(SYSTEM + USERS[0])["input_ids"]])
+    with torch.no_grad():
+        a, b = edge.model(ids).logits.float(), bf16.model(ids).logits.float()
+    assert (a - b).abs().max() <= 0.05 * b.abs().max()
+    session = EdgeSession(edge, None, SYSTEM, cache_dir=None)
+    session.eos_ids = set()
+    for user in [*USERS, "hi"]:
+        full = edge.tokenizer(SYSTEM)["input_ids"] + edge.tokenizer(user, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            want = edge.model.generate(torch.tensor([full]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                       pad_token_id=0)[0, len(full):].tolist()
+        assert session.complete(user, SamplingParams(max_new_tokens=12)).token_ids == want
+
+
+@pytest.mark.slow
+def test_the_real_edge_on_its_gguf_blocks(tmp_path, kernels):
+    """The default edge with `--weights gguf`: every linear on the file's blocks, every block type's rows
+    decode (rounded to bf16) to the converted bf16 model's weights bit for bit, and against the float32 model
+    (the file's numbers at full precision) its logits are no farther than the bf16 model's (mean |Δ| over a
+    text) with at least its greedy agreement: the kernels lose nothing to the bf16 default."""
+    from edgekv.models.loading import load_model
+
+    edge = load_model("default-edge", "bfloat16", weights="gguf")
+    dense = load_model("default-edge", "bfloat16")
+    assert edge.quantization["quantized"] == 24 * 7 + 1 and not edge.quantization["kept"]
+    assert edge.fingerprint == dense.fingerprint
+    seen = {}
+    for name, m in edge.model.named_modules():
+        if isinstance(m, gl.GGUFLinear) and m.ggml_type not in seen:
+            seen[m.ggml_type] = name
+            assert torch.equal(m.weight_bf16(), dense.model.get_submodule(name).weight), name
+    assert set(seen) == set(BLOCK_TYPES.values())
+    exact = load_model("default-edge", "float32")
+    ids = torch.tensor([edge.tokenizer(SYSTEM + " ".join(USERS))["input_ids"]])
+    with torch.no_grad():
+        a, b, f = (m.model(ids).logits.float() for m in (edge, dense, exact))
+    assert (a - f).abs().mean() <= (b - f).abs().mean()
+    assert (a.argmax(-1) == f.argmax(-1)).float().mean() >= (b.argmax(-1) == f.argmax(-1)).float().mean()
