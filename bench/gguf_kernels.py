@@ -12,25 +12,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
+from bench.peer_llamacpp import _median
 from edgekv.atomic import write_text_atomic
 
 WEIGHTS = ("gguf", "bf16", "int4")
 
 
 def _median_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return _median(fn, reps) * 1e3  # peer_llamacpp's: a warm-up, then the median of `reps`
 
 
 def main() -> None:
