@@ -1,15 +1,16 @@
-"""The edge's linears in the GGUF file's own blocks (`--weights gguf`): the bytes llama.cpp reads, the numbers of
-the bf16 model.
+"""The edge's linears in the GGUF file's own blocks (`--weights gguf`): the bytes llama.cpp reads, the file's
+weights exactly.
 
 A GGUF tensor of type Q4_K, Q5_0, Q6_K or Q8_0 keeps its blocks as they are in the file (uint8 rows; Q5_0 is 5.5
-bits a weight, Q8_0 8.5). `gguf_kernels.cpp`, compiled once per machine by torch's extension loader, decodes each
-block exactly as ggml and gguf-py do, rounds each weight to bf16 and multiplies with vdpbf16ps (AVX-512 BF16;
-elsewhere float32 FMAs), so every weight the product uses is bit-equal to the bf16 dequantized model's (checked
-at load, one row a tensor, and in the tests on every block type) and only the order of the float32 sums differs
-from oneDNN's. That is why a `gguf` edge keeps the bf16 model's fingerprint: exports made by the bf16 model are
-its own. Every row count takes the same kernel, so a spliced prefix equals the model's own full prefill bit for
-bit, as with int4. A tensor of another type (F16/F32, other quants), a model that is not a GGUF, a float32 model
-or a machine where the kernels cannot be built keeps its dense linears, with one log line.
+bits a weight, Q8_0 8.5). `gguf_kernels.cpp`, compiled once per machine by torch's extension loader, works in the
+code domain: each 32-value chunk's integer codes (exact in bf16) meet the bf16 activations in one vdpbf16ps and
+the chunk's scale multiplies that partial sum (AVX-512 BF16; elsewhere float32 FMAs on the row decoded as ggml and
+gguf-py decode it). The weights used are d·q, never rounded; the bf16 model holds the same weights rounded to bf16
+(checked at load, one row a tensor, and in the tests on every block type). Both are the file's model, so a `gguf`
+edge keeps the bf16 model's fingerprint and takes its exports. Every row count takes the same kernel, so a
+spliced prefix equals the model's own full prefill bit for bit, as with int4. A tensor of another type (F16/F32,
+other quants), a model that is not a GGUF, a float32 model or a machine where the kernels cannot be built keeps
+its dense linears, with one log line.
 """
 
 from __future__ import annotations
@@ -94,22 +95,27 @@ def read_blocks(gguf_path: str) -> dict[str, tuple[int, torch.Tensor]]:
     return out
 
 
+def _holds(rows: torch.Tensor, ggml_type: int, in_features: int) -> bool:
+    """Whether uint8 rows of `ggml_type` blocks hold `in_features` values each."""
+    _, values, nbytes = BLOCKS[ggml_type]
+    return in_features % values == 0 and rows.shape[1] == in_features // values * nbytes
+
+
 class GGUFLinear(torch.nn.Module):
-    """A linear layer on its GGUF blocks (inference only): y = x Wᵀ + b with W's weights as the bf16 model's."""
+    """A linear layer on its GGUF blocks (inference only): y = x Wᵀ + b with W the file's weights."""
 
     def __init__(self, blocks: torch.Tensor, ggml_type: int, in_features: int, bias: torch.Tensor | None,
                  dtype: torch.dtype):
         super().__init__()
-        _, values, nbytes = BLOCKS[ggml_type]
-        if in_features % values or blocks.shape[1] != in_features // values * nbytes:
+        if not _holds(blocks, ggml_type, in_features):
             raise ValueError(f"{BLOCKS[ggml_type][0]} rows of {blocks.shape[1]} bytes do not hold {in_features} values")
         self.ggml_type, self.in_features, self.out_features, self.dtype = ggml_type, in_features, blocks.shape[0], dtype
         self.register_buffer("blocks", blocks.contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float())
 
-    def weight_bf16(self, rows: slice = slice(None)) -> torch.Tensor:
-        """The bf16 model's weights of `rows` (the file's, rounded to bf16)."""
-        return kernels().gguf_dequantize(self.blocks[rows].contiguous(), self.ggml_type, self.in_features).bfloat16()
+    def weight_bf16(self) -> torch.Tensor:
+        """The bf16 model's weights (the file's, rounded to bf16)."""
+        return kernels().gguf_dequantize(self.blocks, self.ggml_type, self.in_features).bfloat16()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
@@ -130,8 +136,7 @@ def why_not(linear: torch.nn.Linear, found: tuple[int, torch.Tensor] | None) -> 
         return f"the kernels take bf16 models, this one is {str(linear.weight.dtype).removeprefix('torch.')}"
     ggml_type, rows = found
     n, k = linear.weight.shape
-    _, values, nbytes = BLOCKS[ggml_type]
-    if rows.shape[0] != n or k % values or rows.shape[1] != k // values * nbytes:
+    if rows.shape[0] != n or not _holds(rows, ggml_type, k):
         return f"its {BLOCKS[ggml_type][0]} tensor's shape does not match {n}×{k}"
     first = kernels().gguf_dequantize(rows[:1].contiguous(), ggml_type, k).bfloat16()
     if not torch.equal(first, linear.weight[:1].detach()):

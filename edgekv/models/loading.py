@@ -175,7 +175,7 @@ def load_model(spec: str, dtype: str = "bfloat16", device_map: str | None = None
     """Load a causal LM and its tokenizer from an alias, a .gguf file, a local directory or a hub id, onto
     `device` (cpu, cuda, auto) or sharded by an accelerate `device_map`; `weights` int8/int4 swaps its linears
     for weight-only quantized ones (int4 from a GGUF's own Q4_K blocks where it has them; gguf: every linear on
-    the file's own blocks, the bf16 model's numbers, hence its fingerprint)."""
+    the file's own blocks, the file's weights unrounded: the bf16 model's own file, hence its fingerprint)."""
     from edgekv.models.quantized import check_weights, quantize_linears
 
     check_weights(weights)  # before the load: a typo costs no minute of loading

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from edgekv import EdgeKVError
-from edgekv.models.gguf_linear import module_name
+from edgekv.models.gguf_linear import GGUFLinear, kernels, module_name, why_not
 from edgekv.models.prepack import page_out
 from edgekv.models.structure import model_device
 from edgekv.runtime import trim_heap
@@ -179,67 +179,42 @@ def quantize_linears(model: torch.nn.Module, weights: str, exact: dict | None = 
     if model_device(model).type != "cpu":
         raise EdgeKVError(f"--weights {weights} uses CPU kernels: run it with --device cpu")
     exact = exact or {}
-    if weights == "gguf":
-        return _gguf_linears(model, exact, report)
-    dtype = next(model.parameters()).dtype
     targets = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    if weights == "gguf":
+        if not exact:
+            log.warning("--weights gguf: the model is not a GGUF, so there are no blocks: the linears stay dense")
+        if not exact or kernels() is None:  # the kernels say why themselves
+            report["kept"] = targets
+            return report
+    dtype = next(model.parameters()).dtype
     for name in targets:
         linear = model.get_submodule(name)
         n, k = linear.weight.shape
-        report["bytes_before"] += linear.weight.numel() * linear.weight.element_size()
-        why = _fits(weights, n, k)
+        dense_bytes = linear.weight.numel() * linear.weight.element_size()
+        report["bytes_before"] += dense_bytes
+        found = exact.get(name)  # int4: a Q4_K tensor as Int4Weight; gguf: (type, blocks)
+        why = why_not(linear, found) if weights == "gguf" else _fits(weights, n, k)
         if why is not None:
-            log.info("%s stays %s: %s", name, str(dtype).removeprefix("torch."), why)
+            log.info("%s stays %s: %s", name, "dense" if weights == "gguf" else str(dtype).removeprefix("torch."), why)
             report["kept"].append(name)
-            report["bytes_after"] += linear.weight.numel() * linear.weight.element_size()
+            report["bytes_after"] += dense_bytes
             continue
-        if weights == "int4":
-            w4 = exact.get(name)
-            report["exact_from_gguf"] += w4 is not None
-            new = Int4Linear(w4 if w4 is not None else int4_rtn(linear.weight), linear.bias, dtype)
+        if weights == "gguf":
+            new = GGUFLinear(found[1], found[0], k, linear.bias, linear.weight.dtype)
+            report["bytes_after"] += new.blocks.numel()
+        elif weights == "int4":
+            new = Int4Linear(found if found is not None else int4_rtn(linear.weight), linear.bias, dtype)
             report["bytes_after"] += new.packed.numel() + new.scales_zeros.numel() * new.scales_zeros.element_size()
         else:
             new = Int8Linear(linear.weight, linear.bias, dtype)
             report["bytes_after"] += new.q.numel() + new.scale.numel() * new.scale.element_size()
+        report["exact_from_gguf"] += found is not None
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
         page_out(linear.weight)  # mapped from the weights file: hand its pages back (a tied head's too)
         del linear
         trim_heap()  # the float32 work copies of this layer
         report["quantized"] += 1
-    return report
-
-
-def _gguf_linears(model: torch.nn.Module, blocks: dict, report: dict) -> dict:
-    """`quantize_linears` for `gguf`: each linear with a GGUF tensor the kernels decode runs on its blocks."""
-    from edgekv.models.gguf_linear import GGUFLinear, kernels, why_not
-
-    targets = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    if not blocks:
-        log.warning("--weights gguf: the model is not a GGUF, so there are no blocks: the linears stay dense")
-    if not blocks or kernels() is None:  # the kernels say why themselves
-        report["kept"] = targets
-        return report
-    for name in targets:
-        linear = model.get_submodule(name)
-        n, k = linear.weight.shape
-        report["bytes_before"] += linear.weight.numel() * linear.weight.element_size()
-        why = why_not(linear, blocks.get(name))
-        if why is not None:
-            log.info("%s stays dense: %s", name, why)
-            report["kept"].append(name)
-            report["bytes_after"] += linear.weight.numel() * linear.weight.element_size()
-            continue
-        ggml_type, rows = blocks[name]
-        new = GGUFLinear(rows, ggml_type, k, linear.bias, linear.weight.dtype)
-        report["bytes_after"] += new.blocks.numel()
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, new)
-        page_out(linear.weight)
-        del linear
-        report["quantized"] += 1
-        report["exact_from_gguf"] += 1
-    trim_heap()
     return report
 
 
