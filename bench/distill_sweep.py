@@ -191,8 +191,9 @@ def main() -> None:
             done = {(r["id"], r["setting"]) for r in map(json.loads, out_rows.read_text().splitlines()) if r}
         only = set(args.only.split(",")) if args.only else None
         requests = tuning_requests(edge.tokenizer, args.xsum, args.sharegpt)
-        order = [r for pair in zip(requests[:args.xsum], requests[args.xsum:]) for r in pair] + \
-            requests[min(args.xsum, args.sharegpt) * 2:]  # alternate the sources, so a partial sweep has both
+        xs, sg = requests[:args.xsum], requests[args.xsum:]
+        m = min(len(xs), len(sg))  # alternate the sources, so a partial sweep has both; then the longer's rest
+        order = [r for pair in zip(xs, sg) for r in pair] + xs[m:] + sg[m:]
         for req in order:
             run_prompt(req, cloud, edge, args.out, done, only)
             summarise(args.out)

@@ -19,7 +19,7 @@ import torch
 from bench.peer_llamacpp import _median
 from edgekv.atomic import write_text_atomic
 
-WEIGHTS = ("gguf", "bf16", "int4")
+WEIGHTS = ("gguf", "gguf-q8", "bf16", "int4")
 
 
 def _median_ms(fn, reps: int) -> float:
@@ -48,7 +48,7 @@ def main() -> None:
         if weights == "bf16":
             prepack_linears(edge.model)
         linears = [m for n, m in edge.model.named_modules() if n.endswith(("_proj", "lm_head"))]
-        if weights == "gguf":
+        if weights.startswith("gguf"):
             per_type = {BLOCKS[m.ggml_type][0]: n for n, m in edge.model.named_modules()
                         if isinstance(m, GGUFLinear) and n != "lm_head"}
         for m_rows in rows:
@@ -61,12 +61,13 @@ def main() -> None:
                     x = torch.randn(m_rows, m.in_features).bfloat16()
                     out["one_tensor_ms"].setdefault(f"{kind} {name} M={m_rows}", {})[weights] = \
                         _median_ms(lambda: m(x), a.reps * 4)
-            print(f"{weights:5} M={m_rows:3}: all linears {ms:8.1f} ms", flush=True)
+            print(f"{weights:7} M={m_rows:3}: all linears {ms:8.1f} ms", flush=True)
         del edge
     out["ratios_vs_int4"] = {r: {w: v[w] / v["int4"] for w in WEIGHTS} for r, v in out["all_linears_ms"].items()}
     out["ratios_vs_bf16"] = {r: {w: v[w] / v["bf16"] for w in WEIGHTS} for r, v in out["all_linears_ms"].items()}
     for r, v in out["all_linears_ms"].items():
-        print(f"M={r:>3}: gguf/bf16 {v['gguf'] / v['bf16']:.2f}×, gguf/int4 {v['gguf'] / v['int4']:.2f}×")
+        print(f"M={r:>3}: " + ", ".join(f"{w}/bf16 {v[w] / v['bf16']:.2f}× /int4 {v[w] / v['int4']:.2f}×"
+                                        for w in ("gguf", "gguf-q8")))
     if a.json:
         write_text_atomic(a.json, json.dumps(out, indent=1))
 

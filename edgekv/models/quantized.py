@@ -1,5 +1,5 @@
-"""Weight-only quantized linears for the edge (`--weights gguf|int8|int4`): the GGUF's own blocks on edgekv's
-kernels (models/gguf_linear.py), or int8/int4 on torch's own CPU kernels.
+"""Weight-only quantized linears for the edge (`--weights gguf|gguf-q8|int8|int4`): the GGUF's own blocks on
+edgekv's kernels (models/gguf_linear.py), or int8/int4 on torch's own CPU kernels.
 
 Decode at batch 1 is memory-bound: the edge reads every weight once per token. int4 (group-32 asymmetric,
 w = (q − 8)·scale + zero, q ∈ 0..15) and int8 (per-output-channel symmetric) read 4× / 2× fewer bytes than bf16
@@ -28,7 +28,8 @@ from edgekv.models.structure import model_device
 from edgekv.runtime import trim_heap
 
 log = logging.getLogger("edgekv")
-WEIGHTS = ("gguf", "bf16", "int8", "int4")
+WEIGHTS = ("gguf", "gguf-q8", "bf16", "int8", "int4")
+GGUF_WEIGHTS = ("gguf", "gguf-q8")  # the file's own blocks: bf16 or int8 activations
 GROUP = 32
 CPU_PACK_ROWS = 64  # output channels per block of torch's packed CPU int4 layout
 
@@ -180,9 +181,11 @@ def quantize_linears(model: torch.nn.Module, weights: str, exact: dict | None = 
         raise EdgeKVError(f"--weights {weights} uses CPU kernels: run it with --device cpu")
     exact = exact or {}
     targets = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    if weights == "gguf":
+    gguf = weights in GGUF_WEIGHTS
+    if gguf:
         if not exact:
-            log.warning("--weights gguf: the model is not a GGUF, so there are no blocks: the linears stay dense")
+            log.warning("--weights %s: the model is not a GGUF, so there are no blocks: the linears stay dense",
+                        weights)
         if not exact or kernels() is None:  # the kernels say why themselves
             report["kept"] = targets
             return report
@@ -193,14 +196,14 @@ def quantize_linears(model: torch.nn.Module, weights: str, exact: dict | None = 
         dense_bytes = linear.weight.numel() * linear.weight.element_size()
         report["bytes_before"] += dense_bytes
         found = exact.get(name)  # int4: a Q4_K tensor as Int4Weight; gguf: (type, blocks)
-        why = why_not(linear, found) if weights == "gguf" else _fits(weights, n, k)
+        why = why_not(linear, found, weights == "gguf-q8") if gguf else _fits(weights, n, k)
         if why is not None:
-            log.info("%s stays %s: %s", name, "dense" if weights == "gguf" else str(dtype).removeprefix("torch."), why)
+            log.info("%s stays %s: %s", name, "dense" if gguf else str(dtype).removeprefix("torch."), why)
             report["kept"].append(name)
             report["bytes_after"] += dense_bytes
             continue
-        if weights == "gguf":
-            new = GGUFLinear(found[1], found[0], k, linear.bias, linear.weight.dtype)
+        if gguf:
+            new = GGUFLinear(found[1], found[0], k, linear.bias, linear.weight.dtype, weights == "gguf-q8")
             report["bytes_after"] += new.blocks.numel()
         elif weights == "int4":
             new = Int4Linear(found if found is not None else int4_rtn(linear.weight), linear.bias, dtype)
