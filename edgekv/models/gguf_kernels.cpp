@@ -320,7 +320,7 @@ struct Act {
   int64_t m_rows, k, pairs;    // pairs: 64-value steps
   std::vector<int8_t> q;       // [M, K] codes
   std::vector<float> d;        // [M, pairs, 16] the scale of each int32 lane's chunk
-  std::vector<float> sum;      // [M, pairs, 16] each lane's 4 codes summed, times its chunk's scale (Q4_K's min)
+  std::vector<float> csum;     // [M, K/32] each chunk's codes summed, times its scale (Q4_K's min term)
   std::vector<int32_t> corr;   // [M, pairs, 16] −offset·(each lane's 4 codes summed): the unsigned codes' offset
 };
 
@@ -331,7 +331,7 @@ Act quantize_act(const uint16_t* x, int64_t m_rows, int64_t k, int offset) {
   Act a{m_rows, k, k / 64, {}, {}, {}, {}};
   a.q.resize(m_rows * k);
   a.d.resize(m_rows * a.pairs * 16);
-  a.sum.resize(m_rows * a.pairs * 16);
+  a.csum.resize(m_rows * (k / 32));
   a.corr.resize(m_rows * a.pairs * 16);
   for (int64_t m = 0; m < m_rows; ++m) {
     for (int64_t c = 0; c < k / 32; ++c) {
@@ -340,12 +340,13 @@ Act quantize_act(const uint16_t* x, int64_t m_rows, int64_t k, int offset) {
       for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(bf16f(xc[i])));
       const float dx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
       int8_t* q = a.q.data() + m * k + 32 * c;
-      for (int i = 0; i < 32; ++i) q[i] = static_cast<int8_t>(std::nearbyint(bf16f(xc[i]) * inv));
+      int chunk_sum = 0;
+      for (int i = 0; i < 32; ++i) chunk_sum += q[i] = static_cast<int8_t>(std::nearbyint(bf16f(xc[i]) * inv));
+      a.csum[m * (k / 32) + c] = static_cast<float>(chunk_sum) * dx;
       for (int l = 0; l < 8; ++l) {  // lane (c % 2)·8 + l of pair c / 2 covers codes 4l..4l+3 of this chunk
         const int64_t at = (m * a.pairs + c / 2) * 16 + (c % 2) * 8 + l;
         const int s = q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3];
         a.d[at] = dx;
-        a.sum[at] = static_cast<float>(s) * dx;
         a.corr[at] = -offset * s;
       }
     }
@@ -362,7 +363,6 @@ constexpr bool kFastQ8 = true;
 struct Pair {
   __m512i u;   // 64 unsigned codes: chunks 2p, 2p + 1
   __m512 s;    // per-lane weight scale (lanes 0–7: chunk 2p, 8–15: chunk 2p + 1; Q6_K: per 16 values)
-  __m512 mn;   // Q4_K: per-lane dmin·m
 };
 
 inline __m512i lane_ids() { return _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
@@ -416,9 +416,7 @@ inline Pair pair(const uint8_t* row, int64_t p, __m512 sb) {  // sb: the super-b
     const __m512i v = _mm512_broadcast_i64x4(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (p / 4) * 144 + 16 + 32 * g)));
     out.u = _mm512_and_si512(_mm512_srlv_epi64(v, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)), m4);
-    const __m512i at = _mm512_add_epi32(_mm512_set1_epi32(2 * g), lanes_of_pair());
-    out.s = _mm512_permutexvar_ps(at, sb);                                      // d·sc
-    out.mn = _mm512_permutexvar_ps(_mm512_add_epi32(at, _mm512_set1_epi32(8)), sb);  // dmin·m
+    out.s = _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(2 * g), lanes_of_pair()), sb);  // d·sc
   } else {  // Q6_K: chunks j, j + 1 (j = 2·(p % 4)) are groups r, r + 1 of half h: ql's 64 bytes at 64h, qh's 32
     const uint8_t* b = row + (p / 4) * 210;
     const int j = static_cast<int>(2 * (p % 4)), h = j / 4, r = j % 4;
@@ -438,12 +436,13 @@ inline Pair pair(const uint8_t* row, int64_t p, __m512 sb) {  // sb: the super-b
 // NT weight rows' pairs decoded once ([pairs][NT]), for prompt blocks: every 4-row tile of x then reads them from
 // L1/L2 instead of decoding again (the same Pair values, so the same results as the streaming tile).
 template <int64_t T, int NT>
-void predecode(const uint8_t* w, int64_t row_bytes, int64_t pairs, Pair* buf) {
+void predecode(const uint8_t* w, int64_t row_bytes, int64_t pairs, Pair* buf, float* mins) {
   __m512 sb[NT];
   for (int64_t p = 0; p < pairs; ++p)
     for (int n = 0; n < NT; ++n) {
       if constexpr (T == Q4_K || T == Q6_K) {
         if (p % 4 == 0) sb[n] = superblock_scales<T>(w + n * row_bytes + (p / 4) * (T == Q4_K ? 144 : 210));
+        if (T == Q4_K && p % 4 == 0) _mm256_storeu_ps(mins + n * 2 * pairs + 2 * p, _mm512_extractf32x8_ps(sb[n], 1));
       } else {
         sb[n] = _mm512_setzero_ps();
       }
@@ -451,12 +450,29 @@ void predecode(const uint8_t* w, int64_t row_bytes, int64_t pairs, Pair* buf) {
     }
 }
 
+// Σ_c a[c]·b[c] over n floats, in 16 lanes then a fixed lane sum (the same order for every row)
+inline float dot_lanes(const float* a, const float* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
+  acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, a + i), _mm512_maskz_loadu_ps(tail, b + i), acc);
+  return _mm512_reduce_add_ps(acc);
+}
+
+// Q4_K's min term, −Σ_c dmin·m_c · dx_c·Σq_c, is one dot over the row's chunks per output (dot_lanes), after the
+// main loop: the tile keeps no second set of accumulators. `mins` ([NT][K/32] dmin·m) comes with `pre` or is
+// gathered here while streaming.
+constexpr int64_t kMaxChunks = 1024;  // Q4_K rows up to 32,768 values (checked at the entry)
+
 template <int64_t T, int MT, int NT>
 inline void tile_q8(const Act& a, int64_t m0, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo,
-                    const Pair* pre = nullptr) {
-  __m512 acc[MT][NT], mn[MT][NT];
+                    const Pair* pre = nullptr, const float* pre_mins = nullptr) {
+  __m512 acc[MT][NT];
   for (int m = 0; m < MT; ++m)
-    for (int n = 0; n < NT; ++n) acc[m][n] = _mm512_setzero_ps(), mn[m][n] = _mm512_setzero_ps();
+    for (int n = 0; n < NT; ++n) acc[m][n] = _mm512_setzero_ps();
+  const int64_t chunks = a.k / 32;
+  alignas(64) float own_mins[T == Q4_K ? NT : 1][T == Q4_K ? kMaxChunks : 1];
   const int64_t step = row_bytes / a.pairs;  // ≈ bytes per pair (Q6_K: 52.5): only where to prefetch
   constexpr bool kquant = T == Q4_K || T == Q6_K;
   __m512 sb[NT];
@@ -471,6 +487,7 @@ inline void tile_q8(const Act& a, int64_t m0, const uint8_t* w, int64_t row_byte
       _mm_prefetch(reinterpret_cast<const char*>(w + n * row_bytes + p * step + kAhead), _MM_HINT_T0);
       if constexpr (kquant) {
         if (p % 4 == 0) sb[n] = superblock_scales<T>(w + n * row_bytes + (p / 4) * (T == Q4_K ? 144 : 210));
+        if (T == Q4_K && p % 4 == 0) _mm256_storeu_ps(own_mins[n] + 2 * p, _mm512_extractf32x8_ps(sb[n], 1));
       }
       pw[n] = pair<T>(w + n * row_bytes, p, sb[n]);
     }
@@ -482,13 +499,16 @@ inline void tile_q8(const Act& a, int64_t m0, const uint8_t* w, int64_t row_byte
       for (int n = 0; n < NT; ++n) {
         const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c0, pw[n].u, xq));  // exact integers
         acc[m][n] = _mm512_fmadd_ps(dot, _mm512_mul_ps(pw[n].s, dx), acc[m][n]);
-        if constexpr (T == Q4_K) mn[m][n] = _mm512_fmadd_ps(_mm512_loadu_ps(a.sum.data() + at), pw[n].mn, mn[m][n]);
       }
     }
   }
   for (int m = 0; m < MT; ++m)
-    for (int n = 0; n < NT; ++n)
-      out[m * ldo + n] = _mm512_reduce_add_ps(acc[m][n]) - (T == Q4_K ? _mm512_reduce_add_ps(mn[m][n]) : 0.f);
+    for (int n = 0; n < NT; ++n) {
+      float y = _mm512_reduce_add_ps(acc[m][n]);
+      if constexpr (T == Q4_K)
+        y -= dot_lanes(a.csum.data() + (m0 + m) * chunks, pre ? pre_mins + n * chunks : own_mins[n], chunks);
+      out[m * ldo + n] = y;
+    }
 }
 #else
 constexpr bool kFastQ8 = false;
@@ -496,7 +516,7 @@ constexpr bool kFastQ8 = false;
 // Portable: per 32-value chunk, the exact integer dot of the decoded codes with the int8 activations, scaled.
 template <int64_t T, int MT, int NT>
 inline void tile_q8(const Act& a, int64_t m0, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo,
-                    const void* = nullptr) {
+                    const void* = nullptr, const float* = nullptr) {
   std::vector<float> wf(a.k);
   for (int n = 0; n < NT; ++n) {
     decode_row(T, w + n * row_bytes, a.k, wf.data());
@@ -518,25 +538,28 @@ template <int64_t T>
 void mm_q8(const uint16_t* x, int64_t m_rows, int64_t k, const uint8_t* w, int64_t n_rows, int64_t row_bytes,
            float* y) {
   const Act a = quantize_act(x, m_rows, k, kOffset<T>);
-  constexpr int MT = T == Q4_K ? 2 : 4, NB = 4;  // Q4_K's min accumulators halve the rows a tile holds
+  constexpr int MT = 4, NB = 4;
   at::parallel_for(0, (n_rows + NB - 1) / NB, 8, [&](int64_t begin, int64_t end) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
     std::vector<Pair> buf(m_rows > MT ? a.pairs * NB : 0);  // prompt blocks: the tile's weights decoded once
 #else
     std::vector<char> buf;
 #endif
+    std::vector<float> mins(T == Q4_K && m_rows > MT ? NB * k / 32 : 0);
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t n0 = blk * NB, nt = std::min<int64_t>(NB, n_rows - n0);
       const uint8_t* wr = w + n0 * row_bytes;
       auto rows = [&](auto ntc) {
         constexpr int NT = decltype(ntc)::value;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-        if (!buf.empty()) predecode<T, NT>(wr, row_bytes, a.pairs, buf.data());
+        if (!buf.empty()) predecode<T, NT>(wr, row_bytes, a.pairs, buf.data(), mins.data());
 #endif
         const auto* pre = buf.empty() ? nullptr : buf.data();
+        const float* mn = mins.data();
         int64_t m = 0;
-        for (; m + MT <= m_rows; m += MT) tile_q8<T, MT, NT>(a, m, wr, row_bytes, y + m * n_rows + n0, n_rows, pre);
-        for (; m < m_rows; ++m) tile_q8<T, 1, NT>(a, m, wr, row_bytes, y + m * n_rows + n0, n_rows, pre);
+        for (; m + MT <= m_rows; m += MT)
+          tile_q8<T, MT, NT>(a, m, wr, row_bytes, y + m * n_rows + n0, n_rows, pre, mn);
+        for (; m < m_rows; ++m) tile_q8<T, 1, NT>(a, m, wr, row_bytes, y + m * n_rows + n0, n_rows, pre, mn);
       };
       switch (nt) {
         case 4: rows(std::integral_constant<int, 4>{}); break;
@@ -603,6 +626,7 @@ torch::Tensor gguf_mm_q8(torch::Tensor x, torch::Tensor w, int64_t type, c10::op
   const int64_t m_rows = x.size(0), k = x.size(1), n_rows = w.size(0);
   TORCH_CHECK(k % L.values == 0 && w.size(1) == k / L.values * L.bytes, "w's row bytes do not match K = ", k);
   TORCH_CHECK(k % 64 == 0, "the int8-activation kernels take K a multiple of 64, not ", k);
+  TORCH_CHECK(type != Q4_K || k / 32 <= 1024, "the int8-activation Q4_K kernel takes K ≤ 32768, not ", k);
   auto y = torch::empty({m_rows, n_rows}, x.options().dtype(torch::kFloat32));
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const uint8_t* wp = w.data_ptr<uint8_t>();
