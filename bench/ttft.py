@@ -1,8 +1,8 @@
 """Bench time to first token on the default edge model, every condition side by side in one run (medians).
 
-    python -m bench.ttft [--system 1024] [--user 64] [--reps 9] [--het-kv runs/kv-ttft-het] [--json OUT]
+    python -m bench.ttft [--system 1024] [--user 64] [--reps 9] [--weights W] [--het-kv runs/kv-ttft-het] [--json OUT]
 
-Conditions (S system + U user tokens, bf16, one request at a time):
+Conditions (S system + U user tokens, the edge on `--weights`, serve-edge's default, one request at a time):
 - full prefill: `model(system+user)` as a user would write it (all logits), and with only the last logits;
 - deep-copy baseline: prefill the system prompt once, `copy.deepcopy` its DynamicCache per request, forward U;
 - spliced same-model: an `EdgeSession` on a same-model export (split m), warm (all layers in);
@@ -35,6 +35,7 @@ from edgekv.models.structure import decoder_layers
 from edgekv.serve.pipeline import Link, overlap_efficiency, predict_ttft
 from edgekv.serve.requests import GenRequest
 from edgekv.serve.sampling import SamplingParams
+from edgekv.serve.serve_job import ServeConfig
 from edgekv.serve.session import EdgeSession
 from edgekv.texts import sharegpt_texts
 
@@ -44,7 +45,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def flops(model, q_tokens: int, kv_tokens: int, logits: int) -> float:
     """Forward FLOPs: 2·params per token through the blocks, causal attention scores/values, the LM head."""
     cfg = model.config
-    blocks = sum(p.numel() for p in decoder_layers(model).parameters())
+    layers = decoder_layers(model)  # weights held as buffers (gguf blocks, int4 packs) count by their shape
+    blocks = sum(p.numel() for p in layers.parameters()) + sum(
+        m.in_features * m.out_features for m in layers.modules()
+        if hasattr(m, "in_features") and not isinstance(getattr(m, "weight", None), torch.nn.Parameter))
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     # query t (0-based within the q block) attends to kv_tokens − q_tokens + t + 1 keys
     attended = q_tokens * (kv_tokens - q_tokens) + q_tokens * (q_tokens + 1) / 2
@@ -77,12 +81,13 @@ def main() -> None:
     ap.add_argument("--work", default="runs/bench-ttft")
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-prepack", action="store_true", help="keep nn.Linear (serve-edge prepacks by default)")
+    ap.add_argument("--weights", default=ServeConfig().weights, help="the edge's linears (serve-edge's default)")
     args = ap.parse_args()
     torch.manual_seed(0)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
 
-    edge = load_model("default-edge", "bfloat16")
+    edge = load_model("default-edge", "bfloat16", weights=args.weights)
     model, tok = edge.model, edge.tokenizer
     sys_ids = xsum_prompt(tok, args.system)
     system = tok.decode(sys_ids)
@@ -97,7 +102,8 @@ def main() -> None:
     S, U = sys_ids.numel(), args.user
     bound = flops(model, S + U, S + U, S + U) / flops(model, U, S + U, 1)  # counts parameters: before prepacking
     packed = 0 if args.no_prepack else prepack_linears(model)  # every condition runs on the same model
-    print(f"S = {S} system tokens (XSum), U = {U} user tokens (ShareGPT); bf16; {torch.get_num_threads()} threads; "
+    print(f"S = {S} system tokens (XSum), U = {U} user tokens (ShareGPT); --weights {args.weights}; "
+          f"{torch.get_num_threads()} threads; "
           f"{packed} linear layers prepacked")
 
     same_kv = work / "kv-same"
@@ -237,8 +243,9 @@ def main() -> None:
     print(f"\nbf16 same-model splice vs full prefill: first-step max |Δlogit| {', '.join(f'{d:.3f}' for d in diffs)}; "
           f"greedy tokens identical for the first {', '.join(map(str, agree))} of 32")
     if args.json:
-        Path(args.json).write_text(json.dumps({"S": S, "U": U, "reps": args.reps, "prepacked_linears": packed,
-                                               "samples": samples, "median": med, "paired_speedup": paired,
+        Path(args.json).write_text(json.dumps({"S": S, "U": U, "reps": args.reps, "weights": args.weights,
+                                               "prepacked_linears": packed, "samples": samples, "median": med,
+                                               "paired_speedup": paired,
                                                "flop_bound": bound, "cold": {
                                                    "bandwidth_mbps": bandwidth, "measured": measured,
                                                    "predicted": predicted, "serial": serial, "bound": bounds,

@@ -55,8 +55,9 @@ def device_setting() -> Any:
 
 def weights_setting() -> Any:
     """The edge's linear weights."""
-    return setting("bf16", "The edge's linears: bf16, gguf (the GGUF's own blocks, exact), gguf-q8 (the same "
-                           "blocks, int8 activations as llama.cpp), int8 or int4.")
+    return setting("gguf-q8", "The edge's linears: gguf-q8 (the GGUF's own blocks, int8 activations as llama.cpp; "
+                              "a model that is not a GGUF stays bf16), gguf (the same blocks, bf16 activations), "
+                              "bf16, int8 or int4.")
 
 
 def device_map_setting() -> Any:
