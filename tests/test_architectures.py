@@ -327,7 +327,7 @@ def test_the_papers_opt_pair_plans_from_real_configs_without_weights():
 @pytest.mark.parametrize("kind", FAMILIES)
 @pytest.mark.parametrize("dtype,weights", [(torch.float32, "bf16"), (torch.bfloat16, "bf16"), (torch.bfloat16, "int4")])
 def test_the_decode_step_is_the_models_forward_bit_for_bit(kind, dtype, weights):
-    """`DecodeStep` (one token without transformers' wrapper; int4 q/k/v joined into one product) gives the
+    """`DecodeStep` (one token without transformers' wrapper; int4 q/k/v and gate/up joined) gives the
     model's own logits and KV, bit for bit, on every layout it takes (Llama, Qwen2); the others (OPT, Gemma's
     scaled embeddings) are not taken."""
     from edgekv.attention.decode_step import DecodeStep
@@ -343,7 +343,9 @@ def test_the_decode_step_is_the_models_forward_bit_for_bit(kind, dtype, weights)
         assert step is None
         return
     assert step is not None
-    assert (step.qkv is not None) == (weights == "int4" and kind == "qwen2")  # Llama's head_dim 16: 32 k/v rows
+    joined = [len(groups) == 1 for groups in step.qkv]  # q/k/v as one product (int4: rows in blocks of 64)
+    assert all(joined) == (weights == "int4" and kind == "qwen2")  # Llama's head_dim 16: 32 k/v rows
+    assert all(g is not None for g in step.gate_up) == (weights == "int4")  # gate/up: 256 rows each
     prefix = PrefixKV.of_model(model, torch.arange(3, 40))
     caches = prefix.request_cache(), prefix.request_cache()
     token, position = torch.tensor([7]), prefix.next_position

@@ -18,10 +18,29 @@ import torch
 
 from edgekv.attention.merge import can_flash, fast_segment_attention
 from edgekv.attention.relay import relay_attention
+from edgekv.models.gguf_linear import GGUFLinear
 from edgekv.models.quantized import Int4Linear
 
 # model families whose decoder block is the plain pre-LN rotary block this step reproduces
 FAMILIES = ("llama", "qwen2", "mistral")
+
+
+def _join(parts: list) -> torch.nn.Module | None:
+    """One product for linears that read the same input (int4 or GGUF blocks of one kind), or None."""
+    if all(isinstance(m, Int4Linear) for m in parts):
+        return Int4Linear.concat(parts)
+    if all(isinstance(m, GGUFLinear) for m in parts):
+        return GGUFLinear.concat(parts)
+    return None
+
+
+def _groups(parts: list) -> list[tuple[torch.nn.Module, list[int]]]:
+    """`parts` (same input) as few products as join, in order: (module, its parts' output sizes)."""
+    for cut in (len(parts), len(parts) - 1):
+        joined = _join(parts[:cut]) if cut > 1 else None
+        if joined is not None:
+            return [(joined, [m.out_features for m in parts[:cut]])] + [(m, [m.out_features]) for m in parts[cut:]]
+    return [(m, [m.out_features]) for m in parts]
 
 
 class DecodeStep:
@@ -35,12 +54,13 @@ class DecodeStep:
         self.head_dim = attn.head_dim
         # the rotary function the model's attention applies (its own module's, so the arithmetic is the same)
         self.rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-        # int4 q/k/v as one product per layer (a copy of their packed bytes: ~0.5 MB a layer on the 0.5B edge;
-        # ~0.7 ms a token fewer, measured), where every layer's three are int4
-        qkv = [Int4Linear.concat([a.q_proj, a.k_proj, a.v_proj])
-               if all(isinstance(m, Int4Linear) for m in (a.q_proj, a.k_proj, a.v_proj)) else None
-               for a in (layer.self_attn for layer in self.layers)]
-        self.qkv = qkv if all(m is not None for m in qkv) else None
+        # int4 / gguf q/k/v (and gate/up) as one product per layer where they join (a copy of their bytes: int4
+        # q/k/v ~0.7 ms a token fewer, measured); a layer whose v is another GGUF type joins q/k only
+        self.qkv = [_groups([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
+                    for layer in self.layers]
+        self.gate_up = [_join([layer.mlp.gate_proj, layer.mlp.up_proj])
+                        if all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+                        else None for layer in self.layers]
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> DecodeStep | None:
@@ -75,11 +95,7 @@ class DecodeStep:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            if self.qkv is not None:
-                q, k, v = self.qkv[i](x).split([attn.q_proj.out_features, attn.k_proj.out_features,
-                                                 attn.v_proj.out_features], -1)
-            else:
-                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            q, k, v = (y for linear, sizes in self.qkv[i] for y in linear(x).split(sizes, -1))
             q, k, v = (y.view(1, t, -1, d).transpose(1, 2) for y in (q, k, v))
             q, k = self.rotate(q, k, cos, sin)
             keys, values = cache.layers[i].update(k, v)
@@ -88,6 +104,12 @@ class DecodeStep:
             else:
                 out = fast_segment_attention(q, keys, values, None, attn.scaling)[0].transpose(1, 2)
             h = h + attn.o_proj(out.reshape(1, t, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            x = layer.post_attention_layernorm(h)
+            if self.gate_up[i] is not None:  # the MLP's own formula, down(act(gate(x)) · up(x)), on the joined product
+                mlp = layer.mlp
+                gate, up = self.gate_up[i](x).split([mlp.gate_proj.out_features, mlp.up_proj.out_features], -1)
+                h = h + mlp.down_proj(mlp.act_fn(gate) * up)
+            else:
+                h = h + layer.mlp(x)
         h = self.norm(h)
         return self.head(h[:, -1:] if keep is None else h[:, keep])[0]

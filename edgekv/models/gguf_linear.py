@@ -120,6 +120,23 @@ class GGUFLinear(torch.nn.Module):
         self.register_buffer("blocks", blocks.contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float())
 
+    @classmethod
+    def concat(cls, parts: list[GGUFLinear]) -> GGUFLinear | None:
+        """One linear computing `parts` side by side (their outputs concatenated: q/k/v, gate/up), or None when
+        they differ in block type, row length, arithmetic or bias. A row's product does not depend on its
+        neighbours, so each output is bit-equal to its part's (checked on a random row before use)."""
+        first = parts[0]
+        if len({(m.ggml_type, m.in_features, m.int8_activations, m.dtype, m.bias is None) for m in parts}) != 1:
+            return None
+        out = cls(torch.cat([m.blocks for m in parts]), first.ggml_type, first.in_features,
+                  None if first.bias is None else torch.cat([m.bias for m in parts]), first.dtype,
+                  first.int8_activations)
+        with torch.no_grad():
+            x = torch.randn(1, out.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+            if not torch.equal(out(x), torch.cat([m(x) for m in parts], -1)):
+                return None
+        return out
+
     def weight_bf16(self) -> torch.Tensor:
         """The bf16 model's weights (the file's, rounded to bf16)."""
         return kernels().gguf_dequantize(self.blocks, self.ggml_type, self.in_features).bfloat16()
