@@ -1,6 +1,8 @@
 """The edge's linears on each `--weights`, side by side in one run: every projection and the head of the default
 edge at M rows (1 = a decode step, 16 = sixteen clients, 64 = a prompt block), and one tensor of each GGUF block
-type alone. The choice of the `gguf` route rests on these ratios (models/gguf_linear.py).
+type alone. The choice of the gguf routes rests on these ratios (models/gguf_linear.py): `gguf` (bf16 activations,
+exact) is compute-bound; `gguf-q8` (int8 activations, llama.cpp's arithmetic) streams the blocks near the memory
+bandwidth at a decode step.
 
     python -m bench.gguf_kernels [--rows 1,16,64] [--threads 2] [--reps 5] [--json reports/serve/gguf_kernels.json]
 

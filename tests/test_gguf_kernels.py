@@ -190,6 +190,10 @@ def test_tiny_gguf_edge_splice_equals_its_own_full_prefill_and_keeps_the_bf16_fi
     bf16, edge = load_model(edge_dir, "bfloat16"), load_model(edge_dir, "bfloat16")
     report = qz.quantize_linears(edge.model, weights, blocks)
     assert report["quantized"] == 3 * 7 + 1 and not report["kept"] and edge.fingerprint == bf16.fingerprint
+    from edgekv.eval.scoring import _model_bytes  # eval's base memory counts the blocks (buffers), once each
+
+    held = sum(p.numel() * p.element_size() for p in edge.model.parameters())
+    assert _model_bytes(edge) == held + sum(b.numel() * b.element_size() for b in edge.model.buffers())
     ids = torch.tensor([edge.tokenizer(SYSTEM + USERS[0])["input_ids"]])
     inputs = {}
     hooks = [m.register_forward_hook(lambda mod, inp, out, name=name: inputs.__setitem__(name, (inp[0], out)))

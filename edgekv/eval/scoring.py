@@ -33,7 +33,9 @@ class Scorer:
 
 
 def _model_bytes(m: LoadedModel) -> int:
-    return sum(p.numel() * p.element_size() for p in m.model.parameters())
+    """The weights' bytes: parameters and buffers (GGUF blocks and int4 packs are buffers)."""
+    held = [*m.model.parameters(), *m.model.buffers()]
+    return sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in held}.values())
 
 
 def _rss_mb() -> float:
