@@ -22,6 +22,7 @@
 namespace {
 
 constexpr int kLanes = 16;  // float32 lanes of the accumulation (one AVX-512 register)
+constexpr int64_t kMaxChunks = 1024;  // int8-activation Q4_K rows: up to 32,768 values (checked at the entry)
 constexpr int64_t kAhead = 4096;  // bytes a weight stream is prefetched ahead (768 → 4096 doubled Q5_0's GB/s)
 
 inline float fp16(const uint8_t* p) {
@@ -463,7 +464,6 @@ inline float dot_lanes(const float* a, const float* b, int64_t n) {
 // Q4_K's min term, −Σ_c dmin·m_c · dx_c·Σq_c, is one dot over the row's chunks per output (dot_lanes), after the
 // main loop: the tile keeps no second set of accumulators. `mins` ([NT][K/32] dmin·m) comes with `pre` or is
 // gathered here while streaming.
-constexpr int64_t kMaxChunks = 1024;  // Q4_K rows up to 32,768 values (checked at the entry)
 
 template <int64_t T, int MT, int NT>
 inline void tile_q8(const Act& a, int64_t m0, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo,
@@ -596,48 +596,43 @@ torch::Tensor finish(torch::Tensor y, const c10::optional<torch::Tensor>& bias, 
 }
 
 // y[M, N] (float32, or bf16 with bf16_out) = x[M, K] (bf16, contiguous) · W[N, K]ᵀ (+ bias), W given as GGUF
-// blocks: uint8 [N, K/values·bytes].
-torch::Tensor gguf_mm(torch::Tensor x, torch::Tensor w, int64_t type, c10::optional<torch::Tensor> bias,
-                      bool bf16_out) {
+// blocks: uint8 [N, K/values·bytes]; with bf16 activations (mm) or rounded to int8 per 32 values (mm_q8).
+torch::Tensor product(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
+                      const c10::optional<torch::Tensor>& bias, bool bf16_out, bool int8_act) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "w: contiguous uint8 [N, bytes]");
   const Layout L = layout(type);
   const int64_t m_rows = x.size(0), k = x.size(1), n_rows = w.size(0);
   TORCH_CHECK(k % L.values == 0 && w.size(1) == k / L.values * L.bytes, "w's row bytes do not match K = ", k);
+  if (int8_act) {
+    TORCH_CHECK(k % 64 == 0, "the int8-activation kernels take K a multiple of 64, not ", k);
+    TORCH_CHECK(type != Q4_K || k / 32 <= kMaxChunks, "the int8-activation Q4_K kernel takes K ≤ 32768, not ", k);
+  }
   auto y = torch::empty({m_rows, n_rows}, x.options().dtype(torch::kFloat32));
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
+  auto run = [&](auto t) {
+    constexpr int64_t T = decltype(t)::value;
+    int8_act ? mm_q8<T>(xp, m_rows, k, wp, n_rows, w.size(1), yp) : mm<T>(xp, m_rows, k, wp, n_rows, w.size(1), yp);
+  };
   switch (type) {
-    case Q8_0: mm<Q8_0>(xp, m_rows, k, wp, n_rows, w.size(1), yp); break;
-    case Q5_0: mm<Q5_0>(xp, m_rows, k, wp, n_rows, w.size(1), yp); break;
-    case Q4_K: mm<Q4_K>(xp, m_rows, k, wp, n_rows, w.size(1), yp); break;
-    case Q6_K: mm<Q6_K>(xp, m_rows, k, wp, n_rows, w.size(1), yp); break;
+    case Q8_0: run(std::integral_constant<int64_t, Q8_0>{}); break;
+    case Q5_0: run(std::integral_constant<int64_t, Q5_0>{}); break;
+    case Q4_K: run(std::integral_constant<int64_t, Q4_K>{}); break;
+    case Q6_K: run(std::integral_constant<int64_t, Q6_K>{}); break;
   }
   return finish(y, bias, bf16_out);
 }
 
-// The same product with the activations rounded to int8 per 32 values (llama.cpp's arithmetic, see mm_q8).
+torch::Tensor gguf_mm(torch::Tensor x, torch::Tensor w, int64_t type, c10::optional<torch::Tensor> bias,
+                      bool bf16_out) {
+  return product(x, w, type, bias, bf16_out, false);
+}
+
 torch::Tensor gguf_mm_q8(torch::Tensor x, torch::Tensor w, int64_t type, c10::optional<torch::Tensor> bias,
                          bool bf16_out) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "w: contiguous uint8 [N, bytes]");
-  const Layout L = layout(type);
-  const int64_t m_rows = x.size(0), k = x.size(1), n_rows = w.size(0);
-  TORCH_CHECK(k % L.values == 0 && w.size(1) == k / L.values * L.bytes, "w's row bytes do not match K = ", k);
-  TORCH_CHECK(k % 64 == 0, "the int8-activation kernels take K a multiple of 64, not ", k);
-  TORCH_CHECK(type != Q4_K || k / 32 <= 1024, "the int8-activation Q4_K kernel takes K ≤ 32768, not ", k);
-  auto y = torch::empty({m_rows, n_rows}, x.options().dtype(torch::kFloat32));
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  switch (type) {
-    case Q8_0: mm_q8<Q8_0>(xp, m_rows, k, wp, n_rows, w.size(1), yp); break;
-    case Q5_0: mm_q8<Q5_0>(xp, m_rows, k, wp, n_rows, w.size(1), yp); break;
-    case Q4_K: mm_q8<Q4_K>(xp, m_rows, k, wp, n_rows, w.size(1), yp); break;
-    case Q6_K: mm_q8<Q6_K>(xp, m_rows, k, wp, n_rows, w.size(1), yp); break;
-  }
-  return finish(y, bias, bf16_out);
+  return product(x, w, type, bias, bf16_out, true);
 }
 
 // W's rows decoded to float32 [N, K], as ggml and gguf-py decode them (the tests' reference).
