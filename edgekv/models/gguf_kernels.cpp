@@ -272,42 +272,46 @@ inline void tile(const uint16_t* x, int64_t k, const float*, const uint8_t* w, i
 }
 #endif
 
-template <int64_t T, int NT>
-void rows_block(const uint16_t* x, int64_t m_rows, int64_t k, const float* xsum, const uint8_t* w,
-                int64_t row_bytes, float* out, int64_t ldo) {
-  const int64_t chunks = k / 32;
-  int64_t m = 0;
-  for (; m + 4 <= m_rows; m += 4) tile<T, 4, NT>(x + m * k, k, xsum + m * chunks, w, row_bytes, out + m * ldo, ldo);
-  for (; m < m_rows; ++m) tile<T, 1, NT>(x + m * k, k, xsum + m * chunks, w, row_bytes, out + m * ldo, ldo);
-}
-
-template <int64_t T>
-void mm(const uint16_t* x, int64_t m_rows, int64_t k, const uint8_t* w, int64_t n_rows, int64_t row_bytes,
-        float* y) {
-  std::vector<float> xsum;  // Q4_K's min term: each 32-value chunk's activation sum, in a fixed order
-  if (T == Q4_K) {
-    xsum.resize(m_rows * (k / 32));
-    for (int64_t i = 0; i < m_rows * (k / 32); ++i) {
-      float s = 0.f;
-      for (int j = 0; j < 32; ++j) s += static_cast<float>(c10::BFloat16(x[32 * i + j], c10::BFloat16::from_bits()));
-      xsum[i] = s;
-    }
-  }
-  constexpr int64_t NB = 4;  // weight rows per tile: their chunks are decoded once for every row of x in a tile
+// Weight rows in blocks of 4 over the threads: block(n0, NT) computes outputs n0 .. n0+NT−1 of every row of x, so
+// that a block's weights are decoded once for all of them. NT is a compile-time constant (the tiles unroll on it).
+template <typename Block>
+void by_row_blocks(int64_t n_rows, const Block& block) {
+  constexpr int64_t NB = 4;
   at::parallel_for(0, (n_rows + NB - 1) / NB, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t n0 = blk * NB, nt = std::min(NB, n_rows - n0);
-      const uint8_t* wr = w + n0 * row_bytes;
-      switch (nt) {
-        case 4: rows_block<T, 4>(x, m_rows, k, xsum.data(), wr, row_bytes, y + n0, n_rows); break;
-        case 3: rows_block<T, 3>(x, m_rows, k, xsum.data(), wr, row_bytes, y + n0, n_rows); break;
-        case 2: rows_block<T, 2>(x, m_rows, k, xsum.data(), wr, row_bytes, y + n0, n_rows); break;
-        default: rows_block<T, 1>(x, m_rows, k, xsum.data(), wr, row_bytes, y + n0, n_rows); break;
+    for (int64_t n0 = begin * NB; n0 < std::min(end * NB, n_rows); n0 += NB) {
+      switch (std::min(NB, n_rows - n0)) {
+        case 4: block(n0, std::integral_constant<int, 4>{}); break;
+        case 3: block(n0, std::integral_constant<int, 3>{}); break;
+        case 2: block(n0, std::integral_constant<int, 2>{}); break;
+        default: block(n0, std::integral_constant<int, 1>{}); break;
       }
     }
   });
 }
 
+template <int64_t T>
+void mm(const uint16_t* x, int64_t m_rows, int64_t k, const uint8_t* w, int64_t n_rows, int64_t row_bytes,
+        float* y) {
+  const int64_t chunks = k / 32;
+  std::vector<float> xsum;  // Q4_K's min term: each 32-value chunk's activation sum, in a fixed order
+  if (T == Q4_K) {
+    xsum.resize(m_rows * chunks);
+    for (int64_t i = 0; i < m_rows * chunks; ++i) {
+      float s = 0.f;
+      for (int j = 0; j < 32; ++j) s += static_cast<float>(c10::BFloat16(x[32 * i + j], c10::BFloat16::from_bits()));
+      xsum[i] = s;
+    }
+  }
+  by_row_blocks(n_rows, [&](int64_t n0, auto ntc) {
+    constexpr int NT = decltype(ntc)::value;
+    const uint8_t* wr = w + n0 * row_bytes;
+    int64_t m = 0;
+    for (; m + 4 <= m_rows; m += 4)
+      tile<T, 4, NT>(x + m * k, k, xsum.data() + m * chunks, wr, row_bytes, y + m * n_rows + n0, n_rows);
+    for (; m < m_rows; ++m)
+      tile<T, 1, NT>(x + m * k, k, xsum.data() + m * chunks, wr, row_bytes, y + m * n_rows + n0, n_rows);
+  });
+}
 
 // ---------------------------------------------------------------------------------------------------------------
 // The int8-activation product (`--weights gguf-q8`, llama.cpp's arithmetic): each activation row is rounded to int8
@@ -434,21 +438,27 @@ inline Pair pair(const uint8_t* row, int64_t p, __m512 sb) {  // sb: the super-b
   return out;
 }
 
+// Weight row `row`'s pair p. A K-quant super-block's scales (`sb`) are unpacked at its first pair and kept for
+// the next three; Q4_K's dmin·m of the super-block's 8 chunks go to mins[2p ..] for the min term.
+template <int64_t T>
+inline Pair next_pair(const uint8_t* row, int64_t p, __m512& sb, float* mins) {
+  if constexpr (T == Q4_K || T == Q6_K) {
+    if (p % 4 == 0) {
+      sb = superblock_scales<T>(row + (p / 4) * (T == Q4_K ? 144 : 210));
+      if constexpr (T == Q4_K) _mm256_storeu_ps(mins + 2 * p, _mm512_extractf32x8_ps(sb, 1));
+    }
+  }
+  return pair<T>(row, p, sb);
+}
+
 // NT weight rows' pairs decoded once ([pairs][NT]), for prompt blocks: every 4-row tile of x then reads them from
 // L1/L2 instead of decoding again (the same Pair values, so the same results as the streaming tile).
 template <int64_t T, int NT>
 void predecode(const uint8_t* w, int64_t row_bytes, int64_t pairs, Pair* buf, float* mins) {
   __m512 sb[NT];
+  for (int n = 0; n < NT; ++n) sb[n] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p)
-    for (int n = 0; n < NT; ++n) {
-      if constexpr (T == Q4_K || T == Q6_K) {
-        if (p % 4 == 0) sb[n] = superblock_scales<T>(w + n * row_bytes + (p / 4) * (T == Q4_K ? 144 : 210));
-        if (T == Q4_K && p % 4 == 0) _mm256_storeu_ps(mins + n * 2 * pairs + 2 * p, _mm512_extractf32x8_ps(sb[n], 1));
-      } else {
-        sb[n] = _mm512_setzero_ps();
-      }
-      buf[p * NT + n] = pair<T>(w + n * row_bytes, p, sb[n]);
-    }
+    for (int n = 0; n < NT; ++n) buf[p * NT + n] = next_pair<T>(w + n * row_bytes, p, sb[n], mins + n * 2 * pairs);
 }
 
 // Σ_c a[c]·b[c] over n floats, in 16 lanes then a fixed lane sum (the same order for every row)
@@ -474,7 +484,6 @@ inline void tile_q8(const Act& a, int64_t m0, const uint8_t* w, int64_t row_byte
   const int64_t chunks = a.k / 32;
   alignas(64) float own_mins[T == Q4_K ? NT : 1][T == Q4_K ? kMaxChunks : 1];
   const int64_t step = row_bytes / a.pairs;  // ≈ bytes per pair (Q6_K: 52.5): only where to prefetch
-  constexpr bool kquant = T == Q4_K || T == Q6_K;
   __m512 sb[NT];
   for (int n = 0; n < NT; ++n) sb[n] = _mm512_setzero_ps();
   for (int64_t p = 0; p < a.pairs; ++p) {
@@ -485,11 +494,7 @@ inline void tile_q8(const Act& a, int64_t m0, const uint8_t* w, int64_t row_byte
         continue;
       }
       _mm_prefetch(reinterpret_cast<const char*>(w + n * row_bytes + p * step + kAhead), _MM_HINT_T0);
-      if constexpr (kquant) {
-        if (p % 4 == 0) sb[n] = superblock_scales<T>(w + n * row_bytes + (p / 4) * (T == Q4_K ? 144 : 210));
-        if (T == Q4_K && p % 4 == 0) _mm256_storeu_ps(own_mins[n] + 2 * p, _mm512_extractf32x8_ps(sb[n], 1));
-      }
-      pw[n] = pair<T>(w + n * row_bytes, p, sb[n]);
+      pw[n] = next_pair<T>(w + n * row_bytes, p, sb[n], own_mins[T == Q4_K ? n : 0]);
     }
     for (int m = 0; m < MT; ++m) {
       const int64_t row = m0 + m, at = (row * a.pairs + p) * 16;
@@ -538,36 +543,28 @@ template <int64_t T>
 void mm_q8(const uint16_t* x, int64_t m_rows, int64_t k, const uint8_t* w, int64_t n_rows, int64_t row_bytes,
            float* y) {
   const Act a = quantize_act(x, m_rows, k, kOffset<T>);
-  constexpr int MT = 4, NB = 4;
-  at::parallel_for(0, (n_rows + NB - 1) / NB, 8, [&](int64_t begin, int64_t end) {
+  constexpr int MT = 4;
+  const bool prompt = m_rows > MT;  // prompt blocks: each block's weights decoded once (predecode), then every tile
+  by_row_blocks(n_rows, [&](int64_t n0, auto ntc) {
+    constexpr int NT = decltype(ntc)::value;
+    const uint8_t* wr = w + n0 * row_bytes;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-    std::vector<Pair> buf(m_rows > MT ? a.pairs * NB : 0);  // prompt blocks: the tile's weights decoded once
-#else
-    std::vector<char> buf;
-#endif
-    std::vector<float> mins(T == Q4_K && m_rows > MT ? NB * k / 32 : 0);
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t n0 = blk * NB, nt = std::min<int64_t>(NB, n_rows - n0);
-      const uint8_t* wr = w + n0 * row_bytes;
-      auto rows = [&](auto ntc) {
-        constexpr int NT = decltype(ntc)::value;
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-        if (!buf.empty()) predecode<T, NT>(wr, row_bytes, a.pairs, buf.data(), mins.data());
-#endif
-        const auto* pre = buf.empty() ? nullptr : buf.data();
-        const float* mn = mins.data();
-        int64_t m = 0;
-        for (; m + MT <= m_rows; m += MT)
-          tile_q8<T, MT, NT>(a, m, wr, row_bytes, y + m * n_rows + n0, n_rows, pre, mn);
-        for (; m < m_rows; ++m) tile_q8<T, 1, NT>(a, m, wr, row_bytes, y + m * n_rows + n0, n_rows, pre, mn);
-      };
-      switch (nt) {
-        case 4: rows(std::integral_constant<int, 4>{}); break;
-        case 3: rows(std::integral_constant<int, 3>{}); break;
-        case 2: rows(std::integral_constant<int, 2>{}); break;
-        default: rows(std::integral_constant<int, 1>{}); break;
-      }
+    thread_local std::vector<Pair> buf;
+    thread_local std::vector<float> mins;
+    if (prompt) {
+      buf.resize(a.pairs * NT);
+      mins.resize(T == Q4_K ? NT * k / 32 : 0);
+      predecode<T, NT>(wr, row_bytes, a.pairs, buf.data(), mins.data());
     }
+    const Pair* pre = prompt ? buf.data() : nullptr;
+    const float* mn = prompt ? mins.data() : nullptr;
+#else
+    const void* pre = nullptr;
+    const float* mn = nullptr;
+#endif
+    int64_t m = 0;
+    for (; m + MT <= m_rows; m += MT) tile_q8<T, MT, NT>(a, m, wr, row_bytes, y + m * n_rows + n0, n_rows, pre, mn);
+    for (; m < m_rows; ++m) tile_q8<T, 1, NT>(a, m, wr, row_bytes, y + m * n_rows + n0, n_rows, pre, mn);
   });
 }
 

@@ -103,8 +103,8 @@ def _holds(rows: torch.Tensor, ggml_type: int, in_features: int, int8_activation
     """Whether uint8 rows of `ggml_type` blocks hold `in_features` values each (the int8-activation kernels step
     64 values at a time)."""
     _, values, nbytes = BLOCKS[ggml_type]
-    step = 64 if int8_activations else values
-    return in_features % max(step, values) == 0 and rows.shape[1] == in_features // values * nbytes
+    whole = in_features % values == 0 and (not int8_activations or in_features % 64 == 0)
+    return whole and rows.shape[1] == in_features // values * nbytes
 
 
 class GGUFLinear(torch.nn.Module):
