@@ -114,20 +114,28 @@ def distill_costs(runs: list[Path], out: Path | None = None) -> dict:
     return costs
 
 
-def write_distill_report(runs: list[Path], out: Path, seed: int = 0, spec: Spec = DISTILL) -> dict:
+def write_distill_report(runs: list[Path], out: Path, seed: int = 0, spec: Spec = DISTILL,
+                         relabel: dict[Path, dict[str, str]] | None = None) -> dict:
     """summary.json and rows.jsonl (the runs' rows of the compared strategies) into `out`; costs.json and
-    loss_curves/ where the runs' work folders are at hand."""
+    loss_curves/ where the runs' work folders are at hand. `relabel` renames a run's strategies (run → {strategy:
+    name}): the same strategy under another setting, e.g. another shared prefix, kept apart."""
     keep = {*spec.conditions.values(), REFERENCE, spec.gap_from}
-    rows = [json.loads(line) for run in runs for line in (run / "results.jsonl").read_text(encoding="utf-8")
-            .splitlines() if line.strip()]
+    rows = []
+    for run in runs:
+        names = (relabel or {}).get(run, {})
+        for line in (run / "results.jsonl").read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                r = json.loads(line)
+                rows.append({**r, "strategy": names.get(r["strategy"], r["strategy"])})
     rows = [r for r in rows if r["strategy"] in keep]
     # a run stopped mid-request (resumable) leaves some strategies of its last request unanswered: compare only
-    # requests every strategy of the run answered, so each condition is paired over the same requests
+    # requests every strategy run on their source answered, so each condition is paired over the same requests
     answered: dict[tuple[str, str], set[str]] = {}
+    ran: dict[str, set[str]] = {}
     for r in rows:
         answered.setdefault((r["dataset"], r["id"]), set()).add(r["strategy"])
-    ran = {r["strategy"] for r in rows}
-    rows = [r for r in rows if answered[(r["dataset"], r["id"])] == ran]
+        ran.setdefault(r["dataset"], set()).add(r["strategy"])
+    rows = [r for r in rows if answered[(r["dataset"], r["id"])] == ran[r["dataset"]]]
     summary = distill_summary(rows, seed, spec)
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "rows.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))

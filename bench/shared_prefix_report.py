@@ -3,6 +3,7 @@ paired per request, with each condition's share of the EdgePrompt → cloud gap 
 lead (each model with and without the system prompt).
 
     python -m bench.shared_prefix_report reports/shared-prefix RUN_DIR [RUN_DIR ...] [--prefix runs/shared-prefix]
+        [--held-out-source RUN_DIR]   # edgeprompt-shared there: a prefix trained without that source
 """
 
 from __future__ import annotations
@@ -14,14 +15,16 @@ from pathlib import Path
 from bench.distill_report import REFERENCE, Spec, write_distill_report
 from edgekv.atomic import write_text_atomic
 
-CONDITIONS = {"edgeprompt-shared": "edgeprompt-shared", "distill": "ce-lslm-distill",
+HELD_OUT = "edgeprompt-shared-held-out-source"  # the prefix trained without this source's prompts (--held-out-source)
+CONDITIONS = {"edgeprompt-shared": "edgeprompt-shared", HELD_OUT: HELD_OUT, "distill": "ce-lslm-distill",
               "distill-shared": "ce-lslm-distill-shared", "distill-c8-shared": "ce-lslm-distill-shared@c8",
-              "fuse": "ce-lslm-fuse", "cloud": "cloud-only", "edge": "edge-only",
-              "cloud-nosys": "cloud-nosys", "edge-nosys": "edge-nosys"}
+              "fuse": "ce-lslm-fuse", "notes": "notes", "prefix-sft": "prefix-sft", "oracle-kv": "oracle-kv",
+              "cloud": "cloud-only", "edge": "edge-only", "cloud-nosys": "cloud-nosys", "edge-nosys": "edge-nosys"}
 CONTRASTS = {"distill-shared - distill": ("distill-shared", "distill"),
              "distill-shared - edgeprompt-shared": ("distill-shared", "edgeprompt-shared")}
 SHIPPED = ("edgeprompt-shared", "distill", "distill-shared", "distill-c8-shared", "fuse")
-SHARED = Spec(CONDITIONS, CONTRASTS, {f"gap_closed_by_{c}": c for c in SHIPPED}, REFERENCE)
+BESIDE = (HELD_OUT, "notes", "prefix-sft", "oracle-kv")  # gap shares reported, never shipped (oracle-kv: a bound)
+SHARED = Spec(CONDITIONS, CONTRASTS, {f"gap_closed_by_{c}": c for c in SHIPPED + BESIDE}, REFERENCE)
 
 
 def decomposition(rows: list[dict]) -> dict:
@@ -51,8 +54,14 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("runs", type=Path, nargs="+")
     ap.add_argument("--prefix", type=Path, default=None, help="the shared prefix's training folder (report.json)")
+    ap.add_argument("--held-out-source", type=Path, default=None,
+                    help="a run of edgeprompt-shared under a prefix trained without that run's source")
     args = ap.parse_args()
-    summary = write_distill_report(args.runs, args.out, spec=SHARED)
+    runs, relabel = list(args.runs), {}
+    if args.held_out_source is not None:
+        runs.append(args.held_out_source)
+        relabel[args.held_out_source] = {"edgeprompt-shared": HELD_OUT}
+    summary = write_distill_report(runs, args.out, spec=SHARED, relabel=relabel)
     rows = [json.loads(line) for line in (args.out / "rows.jsonl").read_text(encoding="utf-8").splitlines() if line]
     extra = {"decomposition": decomposition(rows)}
     if args.prefix is not None:

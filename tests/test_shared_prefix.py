@@ -6,6 +6,7 @@ every path is EdgePrompt exactly; exports made without the prefix are refused un
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -326,6 +327,33 @@ def test_report_pairs_conditions_and_decomposes_the_lead():
     assert cells["gap_closed_by_edgeprompt-shared"]["fraction"] == pytest.approx(0.2)
     d = decomposition(rows)["xsum"]
     assert d["cloud_lead_without_prompt"] == pytest.approx(1.1) and d["prompt_saves_edge"] == pytest.approx(0.5)
+
+
+def test_report_keeps_a_source_a_strategy_skipped_and_relabels_a_runs_prefix(tmp_path):
+    """A strategy run on one source only (oracle-kv on XSum) leaves the other source's requests in the report; the
+    same strategy from a run under another prefix (--held-out-source) is its own condition, not a duplicate."""
+    from bench.distill_report import write_distill_report
+    from bench.shared_prefix_report import HELD_OUT, SHARED
+
+    def run(name: str, rows: list[tuple[str, str, float]]) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"datasets": sorted({ds for ds, _, _ in rows})}))
+        (d / "results.jsonl").write_text("".join(json.dumps(
+            {"dataset": ds, "id": f"{ds}{i}", "strategy": s, "ref_nll": v + 0.01 * i, "bytes_cloud_to_edge": 1,
+             "cloud_s": 0.0}) + "\n" for i in range(4) for ds, s, v in rows))
+        return d
+
+    both = [(ds, s, v) for ds in ("xsum", "mmlu") for s, v in
+            (("edgeprompt", 3.0), ("cloud-only", 2.0), ("edgeprompt-shared", 2.9))]
+    a = run("a", both)
+    b = run("b", [("xsum", "oracle-kv", 2.5)])
+    c = run("c", [("xsum", "edgeprompt-shared", 2.7)])
+    s = write_distill_report([a, b, c], tmp_path / "out", spec=SHARED, relabel={c: {"edgeprompt-shared": HELD_OUT}})
+    assert s["mmlu"]["edgeprompt-shared"]["n"] == 4 and "oracle-kv" not in s["mmlu"]
+    assert s["xsum"]["oracle-kv"]["delta_mean"] == pytest.approx(-0.5)
+    assert s["xsum"]["edgeprompt-shared"]["delta_mean"] == pytest.approx(-0.1)
+    assert s["xsum"][HELD_OUT]["delta_mean"] == pytest.approx(-0.3)
 
 
 def test_prefix_sft_learns_the_labels_without_a_cloud(pair, tiny_models, prompts, tmp_path):
