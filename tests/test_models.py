@@ -66,3 +66,15 @@ def test_bad_specs(tmp_path):
     empty.mkdir()
     with pytest.raises(EdgeKVError, match="cannot load model"):
         load_model(str(empty))
+
+
+def test_files_record_the_model_cache_by_name_not_this_machines_path(monkeypatch, tmp_path):
+    """A manifest or a mapping from a default model names $EDGEKV_CACHE, so it can be committed; a hub id or a
+    user's own directory is kept as given."""
+    from edgekv.models.loading import LoadedModel
+
+    monkeypatch.setenv("EDGEKV_CACHE", str(tmp_path / "cache"))
+    seen = lambda source: LoadedModel("default-edge", None, None, source, "f").source_shown  # noqa: E731
+    assert seen(f"default:{tmp_path}/cache/models/edge-1d96") == "default:$EDGEKV_CACHE/models/edge-1d96"
+    assert seen("hub:Qwen/Qwen2.5-0.5B") == "hub:Qwen/Qwen2.5-0.5B"
+    assert seen(f"dir:{tmp_path}/mine") == f"dir:{tmp_path}/mine"

@@ -118,7 +118,7 @@ def _capture_model(spec: str, cfg: AlignConfig, seqs, features, select, tasks: T
     start = time.perf_counter()
     acts = capture(loaded.model, seqs, features, select=select, on_text=advance)
     elapsed = time.perf_counter() - start
-    info = {"model": spec, "source": loaded.source, "fingerprint": loaded.fingerprint,
+    info = {"model": spec, "source": loaded.source_shown, "fingerprint": loaded.fingerprint,
             "num_layers": loaded.num_layers, "hidden_size": loaded.model.config.hidden_size}
     del loaded
     gc.collect()

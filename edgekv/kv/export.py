@@ -64,7 +64,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
 def model_info(m: LoadedModel) -> dict:
     """Identity and attention shape of a model, for the manifest."""
     heads, kv_heads, head_dim = attn_shape(m.model)
-    return {"model": m.spec, "source": m.source, "fingerprint": m.fingerprint, "num_layers": m.num_layers,
+    return {"model": m.spec, "source": m.source_shown, "fingerprint": m.fingerprint, "num_layers": m.num_layers,
             "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim,
             "rotary": rotary_cos_sin(m.model, torch.zeros(1, 1, dtype=torch.long),
                                      torch.zeros(1, 1, 1, head_dim)) is not None}

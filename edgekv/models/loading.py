@@ -11,7 +11,14 @@ from pathlib import Path
 import torch
 
 from edgekv import EdgeKVError
-from edgekv.models.packaged import DEFAULT_MODELS, assemble_gguf, default_model_dir, file_sha256, files_sha256
+from edgekv.models.packaged import (
+    DEFAULT_MODELS,
+    assemble_gguf,
+    cache_root,
+    default_model_dir,
+    file_sha256,
+    files_sha256,
+)
 from edgekv.models.structure import check_supported
 
 log = logging.getLogger("edgekv")
@@ -32,6 +39,12 @@ class LoadedModel:
     @property
     def num_layers(self) -> int:
         return self.model.config.num_hidden_layers
+
+    @property
+    def source_shown(self) -> str:
+        """`source` as files record it: the model cache named ($EDGEKV_CACHE), not where it lies on this machine,
+        so an export or a mapping made from a default model can be committed and compared across machines."""
+        return self.source.replace(str(cache_root()), "$EDGEKV_CACHE")
 
 
 def parse_dtype(name: str) -> torch.dtype:
