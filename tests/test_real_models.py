@@ -65,3 +65,24 @@ def test_compress_on_the_default_pair_and_reload(tmp_path):
         keys, values = edge_kv(decode_layer(export, i), edge.model)
         assert keys.shape == values.shape == (2, n, 64)
         assert torch.isfinite(keys).all() and torch.isfinite(values).all()
+
+
+def test_the_shipped_shared_prefix_loads_for_the_default_edge_and_keeps_its_sink():
+    """prefixes/default-k32 (issue 37): a verified shared-prefix export of the default edge, K = 32, whose first
+    token (the frozen sink) is still the edge's own KV of its init text while the trained tokens moved away."""
+    import torch
+
+    from edgekv.attention.prefix_kv import prefix_kv
+    from edgekv.kv.shared_prefix import SharedPrefix
+    from edgekv.models.loading import load_model
+
+    edge = load_model("default-edge")
+    shared = SharedPrefix(ROOT / "prefixes" / "default-k32", edge)
+    assert shared.tokens == 32 and shared.info["freeze_first"] == 1
+    own = prefix_kv(edge.model, torch.tensor(shared.manifest["system_prompt"]["token_ids"]))
+    for i, (k, v) in enumerate(own):
+        sk, sv = shared.prefix.layer(i)
+        assert torch.equal(sk[..., :1, :], k[..., :1, :]) and torch.equal(sv[..., :1, :], v[..., :1, :])
+    moved = max(float((shared.prefix.layer(i)[1][..., 1:, :] - v[..., 1:, :]).abs().max()) for i, (_, v) in
+                enumerate(own))
+    assert moved > 0.01
