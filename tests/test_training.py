@@ -52,3 +52,22 @@ def test_resume_is_exact(calib_file, tmp_path):
     assert [e["step"] for e in log] == list(range(1, 9))
     for i in straight.maps:
         assert torch.equal(again.maps[i].weight, straight.maps[i].weight)
+
+
+def test_an_early_stop_hears_the_evaluation_of_its_own_step():
+    """Patience counts evaluations without improvement: an evaluation that improves at the step where the patience
+    would run out keeps training going (it once stopped there, evaluated after the stop was decided)."""
+    from edgekv.kv.train_loop import Trainee, train_loop
+
+    w = torch.zeros(1, requires_grad=True)
+    held = {0: 5.0, 2: 4.0, 4: 4.5, 6: 3.0, 8: 4.5, 10: 4.5, 12: 4.5}  # improves at 6: patience 2 evals from 2
+    best = {"step": 0, "kl": float("inf")}
+
+    def evaluate(step: int) -> dict:
+        if held[step] < best["kl"]:
+            best.update(step=step, kl=held[step])
+        return {"kl": held[step]}
+
+    trainee = Trainee([{"params": [w]}], lambda step: (w - 1).pow(2).sum(), evaluate=evaluate)
+    log = train_loop(trainee, 12, 0.1, every=2, stop=lambda step: step - best["step"] >= 2 * 2)
+    assert best["step"] == 6 and log[-1]["step"] == 10  # 6 improved; 8 and 10 did not: stop there

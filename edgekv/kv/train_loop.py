@@ -115,13 +115,16 @@ def train_loop(trainee: Trainee, steps: int, lr: float, checkpoint: str | Path |
                 torch.nn.utils.clip_grad_norm_(params, trainee.clip)
             opt.step()
             entry = {"step": step + 1, trainee.loss_key: float(value.detach())}
+            due = (step + 1) % every == 0
+            if trainee.evaluate is not None and due:  # before `stop`: an early stop asks how the last evaluation went
+                entry.update(held(step + 1))
             done = step + 1 == steps or (stop is not None and stop(step + 1))
-            if trainee.evaluate is not None and ((step + 1) % every == 0 or done):
+            if trainee.evaluate is not None and done and not due:
                 entry.update(held(step + 1))
             log.append(entry)
             if on_step:
                 on_step(step + 1, entry)
-            if checkpoint and ((step + 1) % every == 0 or done):
+            if checkpoint and (due or done):
                 _save(Path(checkpoint), trainee, opt, step + 1, log)
             if done:
                 break
