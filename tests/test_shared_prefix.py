@@ -211,22 +211,22 @@ def test_spliced_export_under_the_prefix_equals_the_edge_alone(pair, tiny_models
 
 
 def test_the_planner_measures_an_export_under_its_prefix(pair, tiny_models, prompts, tmp_path):
-    """`edgekv plan`'s candidate from an export made under a shared prefix knows the prefix (its bytes are not the
-    prompt's: it ships once), and its cold TTFT reads the export under it, as the edge does."""
-    from edgekv.eval.network import Link, candidate_from_export, cold_ttft
+    """`edgekv plan`'s candidate from an export made under a shared prefix: the export names the prefix, its bytes
+    are the prompt's alone (the prefix ships once), and its cold TTFT reads the export under it, as the edge does."""
+    from edgekv.eval.network import Link, candidate_from_export, cold_ttft, made_under
 
     cloud, edge = pair
     trained = run_distill(_cfg(tmp_path / "t", prompts, steps=2), models=(cloud, edge))["shared"]["out"]
     kv = _compress(tiny_models["edge"], tmp_path / "kv", trained)
     manifest = json.loads((kv / "manifest.json").read_text())
     c = candidate_from_export(str(kv), "edgeprompt-shared")
-    assert c.shared == str(trained) and c.bytes == sum(e["bytes"] for e in manifest["layers"])
+    assert made_under(manifest) == str(trained) and c.bytes == sum(e["bytes"] for e in manifest["layers"])
     user = torch.tensor(edge.tokenizer("User: hi", add_special_tokens=False)["input_ids"])
     seconds, session = cold_ttft(edge, str(kv), PROMPT, user, Link(), tmp_path / "c")
     assert seconds > 0 and session.prefix_len == SharedPrefix(trained, edge).tokens + \
         manifest["system_prompt"]["num_tokens"]
-    plain = candidate_from_export(str(_compress(tiny_models["edge"], tmp_path / "kv0")), "edgeprompt")
-    assert plain.shared is None
+    plain = _compress(tiny_models["edge"], tmp_path / "kv0")
+    assert made_under(json.loads((plain / "manifest.json").read_text())) is None
 
 
 def test_k0_compress_is_edgeprompt_exactly(pair, tiny_models, tmp_path):

@@ -51,8 +51,6 @@ class Candidate:
     quality_loss: float = 0.0  # nats/token vs the edge's exact answer (edge-only); ≤ 0 is no loss
     source: str = ""  # the eval strategy whose export this is (e.g. edgeprompt@0/int8); "" = `strategy`
     kv_tokens: int | None = None  # a distilled export's trained tokens P' (None: the prompt's own KV)
-    shared: str | None = None  # the shared prefix the export was made under: on the edge already (shipped once per
-    # model pair, never per prompt), so its bytes are not this prompt's; `cold_ttft` reads the export under it
 
     @property
     def label(self) -> str:
@@ -131,20 +129,20 @@ def layer_times(model: torch.nn.Module, fn: Callable[[], object]) -> tuple[list[
     return spent, time.perf_counter() - start
 
 
-def under_shared(kv: str) -> str | None:
-    """The shared prefix an export was made under (its recorded path), None for a plain export."""
-    from edgekv.kv.export import KVExport
-
-    return (KVExport(kv).manifest.get("under_shared") or {}).get("path")
+def made_under(manifest: dict) -> str | None:
+    """The shared prefix an export was made under (its recorded path), None for a plain export. The prefix lives
+    on the edge (shipped once per model pair), so a candidate's bytes are the prompt's alone."""
+    return (manifest.get("under_shared") or {}).get("path")
 
 
 def cold_ttft(edge, kv: str | None, system: str, user: torch.Tensor, link: Link, cache_dir) -> tuple[float, object]:
     """One cold request's TTFT as eval measures it: a fresh session (export loaded through the link, or the
     system prompt prefilled) plus the first token. An export made under a shared prefix is read under it, the
     prefix loaded before the clock starts (it lives on the edge). Returns (seconds, session)."""
+    from edgekv.kv.export import KVExport
     from edgekv.kv.shared_prefix import SharedPrefix
 
-    where = under_shared(kv) if kv else None
+    where = made_under(KVExport(kv).manifest) if kv else None
     shared = SharedPrefix(where, edge) if where else None
     start = time.perf_counter()
     session = EdgeSession(edge, kv, system_prompt=None if kv else system, link=link, cache_dir=cache_dir,
@@ -199,7 +197,7 @@ def candidate_from_export(kv: str, strategy: str, quality_loss: float = 0.0, sou
     m = export.manifest
     sizes = {i: len(export.layer_bytes(i)) for i in export.layer_indices}
     return Candidate(strategy, min(sizes), m["prune"]["ratio"], m["quant"], sizes, quality_loss, source,
-                     m["kv_tokens"] if m.get("distilled") else None, (m.get("under_shared") or {}).get("path"))
+                     m["kv_tokens"] if m.get("distilled") else None)
 
 
 def profile_dict(p: Profile) -> dict:

@@ -544,11 +544,11 @@ void mm_q8(const uint16_t* x, int64_t m_rows, int64_t k, const uint8_t* w, int64
            float* y) {
   const Act a = quantize_act(x, m_rows, k, kOffset<T>);
   constexpr int MT = 4;
-  const bool prompt = m_rows > MT;  // prompt blocks: each block's weights decoded once (predecode), then every tile
   by_row_blocks(n_rows, [&](int64_t n0, auto ntc) {
     constexpr int NT = decltype(ntc)::value;
     const uint8_t* wr = w + n0 * row_bytes;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    const bool prompt = m_rows > MT;  // prompt blocks: the block's weights decoded once (predecode), then every tile
     thread_local std::vector<Pair> buf;
     thread_local std::vector<float> mins;
     if (prompt) {
