@@ -4,12 +4,14 @@ lead (each model with and without the system prompt).
 
     python -m bench.shared_prefix_report reports/shared-prefix RUN_DIR [RUN_DIR ...] [--prefix runs/shared-prefix]
         [--held-out-source RUN_DIR]   # edgeprompt-shared there: a prefix trained without that source
+        [--variant NAME=RUN_DIR ...]  # edgeprompt-shared there under another prefix (e.g. k64): edgeprompt-shared@NAME
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from bench.distill_report import REFERENCE, Spec, write_distill_report
@@ -49,6 +51,13 @@ def decomposition(rows: list[dict]) -> dict:
     return out
 
 
+def with_variants(spec: Spec, names: list[str]) -> Spec:
+    """`spec` plus one condition (and its gap share) per prefix variant: edgeprompt-shared under another prefix."""
+    added = {f"edgeprompt-shared@{n}": f"edgeprompt-shared@{n}" for n in names}
+    return replace(spec, conditions={**spec.conditions, **added},
+                   gaps={**spec.gaps, **{f"gap_closed_by_{c}": c for c in added}})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
@@ -56,12 +65,21 @@ def main() -> None:
     ap.add_argument("--prefix", type=Path, default=None, help="the shared prefix's training folder (report.json)")
     ap.add_argument("--held-out-source", type=Path, default=None,
                     help="a run of edgeprompt-shared under a prefix trained without that run's source")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=RUN_DIR",
+                    help="a run of edgeprompt-shared under another prefix, reported as edgeprompt-shared@NAME")
     args = ap.parse_args()
     runs, relabel = list(args.runs), {}
     if args.held_out_source is not None:
         runs.append(args.held_out_source)
         relabel[args.held_out_source] = {"edgeprompt-shared": HELD_OUT}
-    summary = write_distill_report(runs, args.out, spec=SHARED, relabel=relabel)
+    variants = [v.partition("=") for v in args.variant]
+    if any(not name or not run for name, _, run in variants):
+        ap.error("--variant takes NAME=RUN_DIR")
+    for name, _, run in variants:
+        runs.append(Path(run))
+        relabel[Path(run)] = {"edgeprompt-shared": f"edgeprompt-shared@{name}"}
+    spec = with_variants(SHARED, [name for name, _, _ in variants])
+    summary = write_distill_report(runs, args.out, spec=spec, relabel=relabel)
     rows = [json.loads(line) for line in (args.out / "rows.jsonl").read_text(encoding="utf-8").splitlines() if line]
     extra = {"decomposition": decomposition(rows)}
     if args.prefix is not None:

@@ -352,7 +352,7 @@ def test_report_keeps_a_source_a_strategy_skipped_and_relabels_a_runs_prefix(tmp
     """A strategy run on one source only (oracle-kv on XSum) leaves the other source's requests in the report; the
     same strategy from a run under another prefix (--held-out-source) is its own condition, not a duplicate."""
     from bench.distill_report import write_distill_report
-    from bench.shared_prefix_report import HELD_OUT, SHARED
+    from bench.shared_prefix_report import HELD_OUT, SHARED, with_variants
 
     def run(name: str, rows: list[tuple[str, str, float]]) -> Path:
         d = tmp_path / name
@@ -373,6 +373,13 @@ def test_report_keeps_a_source_a_strategy_skipped_and_relabels_a_runs_prefix(tmp
     assert s["xsum"]["oracle-kv"]["delta_mean"] == pytest.approx(-0.5)
     assert s["xsum"]["edgeprompt-shared"]["delta_mean"] == pytest.approx(-0.1)
     assert s["xsum"][HELD_OUT]["delta_mean"] == pytest.approx(-0.3)
+    # a prefix variant (another K) is one more condition with its own gap share, the K = 32 row untouched
+    k = run("k", [("xsum", "edgeprompt-shared", 2.5)])
+    s = write_distill_report([a, k], tmp_path / "out-k", spec=with_variants(SHARED, ["k64"]),
+                             relabel={k: {"edgeprompt-shared": "edgeprompt-shared@k64"}})
+    assert s["xsum"]["edgeprompt-shared@k64"]["delta_mean"] == pytest.approx(-0.5)
+    assert s["xsum"]["gap_closed_by_edgeprompt-shared@k64"]["fraction"] == pytest.approx(0.5)
+    assert s["xsum"]["edgeprompt-shared"]["delta_mean"] == pytest.approx(-0.1)
 
 
 def test_prefix_sft_learns_the_labels_without_a_cloud(pair, tiny_models, prompts, tmp_path):
