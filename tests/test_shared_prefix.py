@@ -380,6 +380,7 @@ def test_report_keeps_a_source_a_strategy_skipped_and_relabels_a_runs_prefix(tmp
     assert s["xsum"]["edgeprompt-shared@k64"]["delta_mean"] == pytest.approx(-0.5)
     assert s["xsum"]["gap_closed_by_edgeprompt-shared@k64"]["fraction"] == pytest.approx(0.5)
     assert s["xsum"]["edgeprompt-shared"]["delta_mean"] == pytest.approx(-0.1)
+    assert s["xsum"]["edgeprompt-shared@k64 - edgeprompt-shared"]["delta_mean"] == pytest.approx(-0.4)
 
 
 def test_prefix_sft_learns_the_labels_without_a_cloud(pair, tiny_models, prompts, tmp_path):
