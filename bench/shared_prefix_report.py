@@ -55,8 +55,8 @@ def with_variants(spec: Spec, names: list[str]) -> Spec:
     """`spec` plus one condition per prefix variant (edgeprompt-shared under another prefix), its gap share, and its
     paired contrast with the first prefix."""
     added = {f"edgeprompt-shared@{n}": f"edgeprompt-shared@{n}" for n in names}
-    return replace(spec, conditions={**spec.conditions, **added},
-                   contrasts={**spec.contrasts, **{f"{c} - edgeprompt-shared": (c, "edgeprompt-shared") for c in added}},
+    against_first = {f"{c} - edgeprompt-shared": (c, "edgeprompt-shared") for c in added}
+    return replace(spec, conditions={**spec.conditions, **added}, contrasts={**spec.contrasts, **against_first},
                    gaps={**spec.gaps, **{f"gap_closed_by_{c}": c for c in added}})
 
 
