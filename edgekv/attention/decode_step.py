@@ -6,8 +6,9 @@ rotary embedding, head: the prepacked or quantized linears included) and the sam
 `fused_attention`'s decode path, in the same order, so its logits are the model's own bit for bit (tested), for
 the layouts whose block is exactly `h += attn(norm(h)); h += mlp(norm(h))` with rotary q/k and nothing else
 (Llama, Qwen2, Mistral). Every relay step (decode tokens and prompt chunks of many requests: relay attention masks
-each request itself) and a one-request decode token take it; anything else (other layouts, a one-request prompt
-block, a one-request step with cloud segments) goes through the model's forward as before.
+each request itself) and every one-request step over its own cache (a decode token, or a prompt block with the
+causal mask the model's forward builds: one bool mask for all layers, as sdpa_mask gives) take it; anything else
+(other layouts, a step with cloud segments) goes through the model's forward as before.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 
 import torch
 
-from edgekv.attention.merge import can_flash, fast_segment_attention
+from edgekv.attention.merge import can_flash, causal_visible, fast_segment_attention
 from edgekv.attention.relay import relay_attention
 from edgekv.models.gguf_linear import GGUFLinear
 from edgekv.models.quantized import Int4Linear
@@ -80,29 +81,43 @@ class DecodeStep:
             return None
         return cls(model)
 
+    def _rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's rotary function on q and k; where k's heads follow q's in one product's output (a joined
+        q/k/v), on both as one tensor: the same elementwise arithmetic, half the op calls."""
+        heads = q.shape[1]
+        if q.shape[0] == 1 and k.data_ptr() == q.data_ptr() + q.shape[-1] * heads * q.element_size() \
+                and q.stride() == k.stride():
+            both = q.as_strided((1, heads + k.shape[1], *q.shape[2:]), q.stride())
+            both, _ = self.rotate(both, both[:, :0], cos, sin)
+            return both[:, :heads], both[:, heads:]
+        return self.rotate(q, k, cos, sin)
+
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache, keep: torch.Tensor | None = None,
                  relay=None) -> torch.Tensor:
         """Logits (rows, vocab) after the step's tokens `ids` (1, T) at `positions` (1, T), of the rows `keep`
         (default: the last); appends their KV to `cache`. Without `relay` (a `RelayBatch`, whose attention masks
-        each request itself) a step is one decode token over its request's own cache."""
+        each request itself) the step's tokens are one request's next T, over its own cache, causally masked."""
         t = ids.shape[1]
-        if relay is None and t != 1:
-            raise ValueError("without relay attention a step is one token (a block needs the model's mask)")
         h = self.embed(ids)
         cos, sin = self.rotary(h, positions)
         d = self.head_dim
+        # one request's block: query i sees the cache and the block's first i + 1 tokens (one mask object for
+        # every layer, so the additive form is made once, as for the model's own sdpa_mask)
+        visible = None if relay is not None or t == 1 else \
+            causal_visible(t, cache.get_seq_length() + t, h.device)[None, None]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             q, k, v = (y for linear, sizes in self.qkv[i] for y in linear(x).split(sizes, -1))
             q, k, v = (y.view(1, t, -1, d).transpose(1, 2) for y in (q, k, v))
-            q, k = self.rotate(q, k, cos, sin)
+            q, k = self._rotate(q, k, cos, sin)
             keys, values = cache.layers[i].update(k, v)
             if relay is not None:
                 out = relay_attention(attn, q, relay, attn.scaling)
             else:
-                out = fast_segment_attention(q, keys, values, None, attn.scaling)[0].transpose(1, 2)
+                out = fast_segment_attention(q, keys, values, visible, attn.scaling)[0].transpose(1, 2)
             h = h + attn.o_proj(out.reshape(1, t, -1))
             x = layer.post_attention_layernorm(h)
             if self.gate_up[i] is not None:  # the MLP's own formula, down(act(gate(x)) · up(x)), on the joined product

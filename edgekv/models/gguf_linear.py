@@ -142,10 +142,12 @@ class GGUFLinear(torch.nn.Module):
         return kernels().gguf_dequantize(self.blocks, self.ggml_type, self.in_features).bfloat16()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        flat = x.reshape(-1, self.in_features)
+        if flat.dtype != torch.bfloat16 or not flat.is_contiguous():  # a decode step's rows are both already
+            flat = flat.to(torch.bfloat16).contiguous()
         mm = kernels().gguf_mm_q8 if self.int8_activations else kernels().gguf_mm
         y = mm(flat, self.blocks, self.ggml_type, self.bias, True)  # the bias joins in float32, then one rounding
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         act = ", int8 activations" if self.int8_activations else ""

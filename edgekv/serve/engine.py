@@ -251,9 +251,9 @@ class Engine:
             logits = self._decode_step(ids, positions, cache, keep_rows, relay=batch) if self._decode_step else \
                 self.model(input_ids=ids, cache=cache, position_ids=positions, use_cache=True,
                            logits_to_keep=keep_rows, relay=batch).logits[0]
-        elif self._decode_step is not None and ids.shape[1] == 1 and not s.attention_kwargs():  # one decode token
-            logits = self._decode_step(ids, positions, work[0][0].cache)
-        else:  # one request over its own cache of the system KV (waits are counted by the cache itself)
+        elif self._decode_step is not None and not s.attention_kwargs():  # one request: a token or a prompt block
+            logits = self._decode_step(ids, positions, work[0][0].cache, keep_rows)
+        else:  # one request over its own cache, with cloud segments (waits are counted by the cache itself)
             last_only = keep == [ids.shape[1] - 1]
             logits = self.model(input_ids=ids, cache=work[0][0].cache, position_ids=positions,
                                 use_cache=True, logits_to_keep=1 if last_only else keep_rows,
