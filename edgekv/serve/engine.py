@@ -63,8 +63,8 @@ class Engine:
         # the attention function that runs relay steps and decode steps (grouped heads folded, keys never
         # repeated per head); a fuse SystemKV and a session have enabled it already
         enable_fusion(self.model)
-        # relay steps and one-request decode tokens skip transformers' wrapper where the layout allows (the same
-        # logits, bit for bit)
+        # relay steps and one-request steps (decode tokens, prompt blocks) skip transformers' wrapper where the
+        # layout allows (the same logits, bit for bit)
         self._decode_step = DecodeStep.for_model(self.model)
         _, kv_heads, head_dim = attn_shape(self.model)
         self.device = model_device(self.model)
