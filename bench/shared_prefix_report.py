@@ -1,6 +1,7 @@
 """reports/shared-prefix: the shared-prefix strategies of an eval run (issue 37) against EdgePrompt's exact KV,
-paired per request, with each condition's share of the EdgePrompt → cloud gap and the decomposition of the cloud's
-lead (each model with and without the system prompt).
+paired per request, with each condition's share of the EdgePrompt → cloud gap, each shipped condition's share of
+oracle-kv's gain (where oracle-kv ran), and the decomposition of the cloud's lead (each model with and without the
+system prompt).
 
     python -m bench.shared_prefix_report reports/shared-prefix RUN_DIR [RUN_DIR ...] [--prefix runs/shared-prefix]
         [--held-out-source RUN_DIR]   # edgeprompt-shared there: a prefix trained without that source
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from bench.distill_report import REFERENCE, Spec, write_distill_report
 from edgekv.atomic import write_text_atomic
+from edgekv.eval.stats import cell_seed, gap_closed
 
 HELD_OUT = "edgeprompt-shared-held-out-source"  # the prefix trained without this source's prompts (--held-out-source)
 CONDITIONS = {"edgeprompt-shared": "edgeprompt-shared", HELD_OUT: HELD_OUT, "distill": "ce-lslm-distill",
@@ -51,6 +53,23 @@ def decomposition(rows: list[dict]) -> dict:
     return out
 
 
+def share_of_oracle(rows: list[dict], conditions: dict[str, str]) -> dict:
+    """Per source, what each shipped condition gains over EdgePrompt as a share of oracle-kv's gain on the same
+    requests, (EdgePrompt − condition) / (EdgePrompt − oracle-kv), with its paired bootstrap interval (goal (4):
+    ≥ 50 %); the cloud's NLL cancels, so it is the ratio of the two gap shares."""
+    out: dict[str, dict] = {}
+    for source in dict.fromkeys(r["dataset"] for r in rows):
+        nll = {(r["strategy"], r["id"]): r.get("ref_nll") for r in rows if r["dataset"] == source}
+        have = lambda s: {i for t, i in nll if t == s and nll[t, i] is not None}  # noqa: E731
+        for cond in SHIPPED:
+            ids = sorted(have(REFERENCE) & have("oracle-kv") & have(conditions[cond]))
+            if ids:
+                out.setdefault(source, {})[cond] = gap_closed(
+                    [nll[REFERENCE, i] for i in ids], [nll[conditions[cond], i] for i in ids],
+                    [nll["oracle-kv", i] for i in ids], cell_seed(0, source, "oracle", cond))
+    return out
+
+
 def with_variants(spec: Spec, names: list[str]) -> Spec:
     """`spec` plus one condition per prefix variant (edgeprompt-shared under another prefix), its gap share, and its
     paired contrast with the first prefix."""
@@ -83,7 +102,7 @@ def main() -> None:
     spec = with_variants(SHARED, [name for name, _, _ in variants])
     summary = write_distill_report(runs, args.out, spec=spec, relabel=relabel)
     rows = [json.loads(line) for line in (args.out / "rows.jsonl").read_text(encoding="utf-8").splitlines() if line]
-    extra = {"decomposition": decomposition(rows)}
+    extra = {"decomposition": decomposition(rows), "share_of_oracle": share_of_oracle(rows, spec.conditions)}
     if args.prefix is not None:
         report = json.loads((args.prefix / "report.json").read_text(encoding="utf-8"))
         manifest = json.loads((Path(report["out"]) / "manifest.json").read_text(encoding="utf-8"))

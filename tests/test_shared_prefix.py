@@ -352,7 +352,7 @@ def test_report_keeps_a_source_a_strategy_skipped_and_relabels_a_runs_prefix(tmp
     """A strategy run on one source only (oracle-kv on XSum) leaves the other source's requests in the report; the
     same strategy from a run under another prefix (--held-out-source) is its own condition, not a duplicate."""
     from bench.distill_report import write_distill_report
-    from bench.shared_prefix_report import HELD_OUT, SHARED, with_variants
+    from bench.shared_prefix_report import HELD_OUT, SHARED, share_of_oracle, with_variants
 
     def run(name: str, rows: list[tuple[str, str, float]]) -> Path:
         d = tmp_path / name
@@ -381,6 +381,13 @@ def test_report_keeps_a_source_a_strategy_skipped_and_relabels_a_runs_prefix(tmp
     assert s["xsum"]["gap_closed_by_edgeprompt-shared@k64"]["fraction"] == pytest.approx(0.5)
     assert s["xsum"]["edgeprompt-shared"]["delta_mean"] == pytest.approx(-0.1)
     assert s["xsum"]["edgeprompt-shared@k64 - edgeprompt-shared"]["delta_mean"] == pytest.approx(-0.4)
+    # goal (4): the prefix's gain as a share of oracle-kv's on the same requests (−0.1 of −0.5), only where
+    # oracle-kv ran (XSum), the cloud's NLL out of it
+    rows = [json.loads(line) for line in (tmp_path / "out" / "rows.jsonl").read_text().splitlines() if line]
+    shares = share_of_oracle(rows, SHARED.conditions)
+    assert set(shares) == {"xsum"} and set(shares["xsum"]) == {"edgeprompt-shared"}
+    cell = shares["xsum"]["edgeprompt-shared"]
+    assert cell["n"] == 4 and cell["fraction"] == pytest.approx(0.2) and cell["ci95_lo"] == pytest.approx(0.2)
 
 
 def test_prefix_sft_learns_the_labels_without_a_cloud(pair, tiny_models, prompts, tmp_path):
