@@ -51,6 +51,18 @@ def _paired(rows: list[dict], a: str, b: str, seed: int, *names: str) -> dict | 
     return {"n": d["n"], "delta_mean": d["delta_mean"], "delta_ci95": [d["ci95_lo"], d["ci95_hi"]]}
 
 
+def common_gap(nll: dict[tuple[str, str], float | None], start: str, method: str, ceiling: str,
+               seed: int) -> dict | None:
+    """`gap_closed` of `method` from `start` toward `ceiling` (strategies; `nll` keyed (strategy, id)) over the
+    requests all three scored, or None where they share none."""
+    have = lambda s: {i for t, i in nll if t == s and nll[t, i] is not None}  # noqa: E731
+    ids = sorted(have(start) & have(method) & have(ceiling))
+    if not ids:
+        return None
+    return gap_closed([nll[start, i] for i in ids], [nll[method, i] for i in ids], [nll[ceiling, i] for i in ids],
+                      seed)
+
+
 def distill_summary(rows: list[dict], seed: int = 0, spec: Spec = DISTILL) -> dict:
     """{source: {condition: {n, delta_mean, delta_ci95}, contrasts, gap_closed, bytes, cost}} per dataset."""
     out: dict[str, dict] = {}
@@ -68,12 +80,9 @@ def distill_summary(rows: list[dict], seed: int = 0, spec: Spec = DISTILL) -> di
                 cells[name] = p
         nll = {(r["strategy"], r["id"]): r.get("ref_nll") for r in here}
         for key, cond in spec.gaps.items():
-            method = spec.conditions[cond]
-            ids = sorted({i for s, i in nll if s == method} & {i for s, i in nll if s == spec.gap_from}
-                         & {i for s, i in nll if s == "cloud-only"})
-            if ids:
-                cells[key] = gap_closed([nll[spec.gap_from, i] for i in ids], [nll[method, i] for i in ids],
-                                        [nll["cloud-only", i] for i in ids], cell_seed(seed, source))
+            gap = common_gap(nll, spec.gap_from, spec.conditions[cond], "cloud-only", cell_seed(seed, source))
+            if gap is not None:
+                cells[key] = gap
         cells["bytes_mean"] = {c: mean([r["bytes_cloud_to_edge"] for r in here if r["strategy"] == s])
                                for c, s in every.items()}
         cells["cloud_s_median"] = {c: median([r["cloud_s"] for r in here if r["strategy"] == s])

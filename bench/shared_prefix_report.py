@@ -15,9 +15,9 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from bench.distill_report import REFERENCE, Spec, write_distill_report
+from bench.distill_report import REFERENCE, Spec, common_gap, write_distill_report
 from edgekv.atomic import write_text_atomic
-from edgekv.eval.stats import cell_seed, gap_closed
+from edgekv.eval.stats import cell_seed
 
 HELD_OUT = "edgeprompt-shared-held-out-source"  # the prefix trained without this source's prompts (--held-out-source)
 CONDITIONS = {"edgeprompt-shared": "edgeprompt-shared", HELD_OUT: HELD_OUT, "distill": "ce-lslm-distill",
@@ -60,13 +60,10 @@ def share_of_oracle(rows: list[dict], conditions: dict[str, str]) -> dict:
     out: dict[str, dict] = {}
     for source in dict.fromkeys(r["dataset"] for r in rows):
         nll = {(r["strategy"], r["id"]): r.get("ref_nll") for r in rows if r["dataset"] == source}
-        have = lambda s: {i for t, i in nll if t == s and nll[t, i] is not None}  # noqa: E731
         for cond in SHIPPED:
-            ids = sorted(have(REFERENCE) & have("oracle-kv") & have(conditions[cond]))
-            if ids:
-                out.setdefault(source, {})[cond] = gap_closed(
-                    [nll[REFERENCE, i] for i in ids], [nll[conditions[cond], i] for i in ids],
-                    [nll["oracle-kv", i] for i in ids], cell_seed(0, source, "oracle", cond))
+            gap = common_gap(nll, REFERENCE, conditions[cond], "oracle-kv", cell_seed(0, source, "oracle", cond))
+            if gap is not None:
+                out.setdefault(source, {})[cond] = gap
     return out
 
 
