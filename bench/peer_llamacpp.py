@@ -29,6 +29,7 @@ first run only): each number reported is the median over the runs, with every ru
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -251,7 +252,7 @@ def over_runs(runs: list[dict]) -> tuple[dict, dict]:
     failed counts for none of its numbers), and per condition and number: every run's value, median, min, max."""
     merged, spread = {}, {}
     for cond, first in runs[0].items():
-        merged[cond] = json.loads(json.dumps(first))
+        merged[cond] = copy.deepcopy(first)
         if "error" in first:
             continue
         values = {k: [r[cond][k] for r in runs if k in r.get(cond, {})] for k in SCALARS if k in first}

@@ -86,8 +86,8 @@ class DecodeStep:
         """The model's rotary function on q and k; where k's heads follow q's in one product's output (a joined
         q/k/v), on both as one tensor: the same elementwise arithmetic, half the op calls."""
         heads = q.shape[1]
-        if q.shape[0] == 1 and k.data_ptr() == q.data_ptr() + q.shape[-1] * heads * q.element_size() \
-                and q.stride() == k.stride():
+        if q.shape[0] == 1 and q.stride() == k.stride() \
+                and k.data_ptr() == q.data_ptr() + q.stride(1) * heads * q.element_size():
             both = q.as_strided((1, heads + k.shape[1], *q.shape[2:]), q.stride())
             both, _ = self.rotate(both, both[:, :0], cos, sin)
             return both[:, :heads], both[:, heads:]
