@@ -222,6 +222,82 @@ def test_tiny_gguf_edge_splice_equals_its_own_full_prefill_and_keeps_the_bf16_fi
         assert session.complete(user, SamplingParams(max_new_tokens=12)).token_ids == want
 
 
+@pytest.mark.parametrize("width", [64, 100, 896, 4864])
+def test_the_fused_norm_is_transformers_rmsnorm_within_one_bf16_step(kernels, width):
+    """`rms_norm` against Qwen2RMSNorm's aten ops on random rows: only its sum of squares' order is its own, so an
+    output may sit one bf16 step away (where x·r lands on a rounding edge) and nowhere farther; almost all are
+    equal. Its fallback (float32, autograd) is the reference formula itself."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    from edgekv.models.fused_norm import FusedRMSNorm
+
+    g = torch.Generator().manual_seed(width)
+    norm = Qwen2RMSNorm(width, eps=1e-6).bfloat16()
+    norm.weight.data = (torch.randn(width, generator=g) * 0.5 + 1).bfloat16()
+    fused = FusedRMSNorm(norm)
+    x = (torch.randn(2, 33, width, generator=g) * 3).bfloat16()
+    with torch.no_grad():
+        want, got = norm(x), fused(x)
+    step = want.float().abs() * 2 ** -7  # one bf16 step at the value (8 significant bits)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    assert ((got.float() - want.float()).abs() <= step).all()
+    assert (got == want).float().mean() >= 0.999
+    wide = x.float().requires_grad_()
+    assert torch.equal(fused.float()(wide), norm.float()(wide))  # the fallback: float32 and autograd
+
+
+def test_the_rotary_kernel_is_transformers_rotary_bit_for_bit(kernels):
+    """`rotary_` in place on q and k as they lie in a joined q/k/v product's rows (strided views, one token and a
+    block of five) equals transformers' apply_rotary_pos_emb exactly."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2Config, Qwen2RotaryEmbedding, apply_rotary_pos_emb
+
+    rotary = Qwen2RotaryEmbedding(Qwen2Config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2))
+    g = torch.Generator().manual_seed(3)
+    for t in (1, 5):
+        y = torch.randn(t, (4 + 2 + 2) * 64, generator=g).bfloat16()
+        cos, sin = rotary(y[None], torch.arange(900, 900 + t)[None])
+        q, k = y[:, :256].view(t, 4, 64), y[:, 256:384].view(t, 2, 64)
+        want_q, want_k = apply_rotary_pos_emb(q[None].transpose(1, 2), k[None].transpose(1, 2), cos, sin)
+        v = y[:, 384:].clone()
+        for part in (q, k):
+            kernels.rotary_(part, cos.reshape(t, -1).contiguous(), sin.reshape(t, -1).contiguous())
+        assert torch.equal(q[None].transpose(1, 2), want_q) and torch.equal(k[None].transpose(1, 2), want_k)
+        assert torch.equal(y[:, 384:], v)  # v's rows untouched
+
+
+def test_the_decode_step_is_the_gguf_models_forward_bit_for_bit(tmp_path, kernels):
+    """A tiny edge on gguf-q8 blocks: its norms are the fused kernel's, model-wide, and `DecodeStep` (a prompt
+    block, then tokens; rotary through the kernel) gives the model's own logits and KV bit for bit."""
+    from edgekv.attention.decode_step import DecodeStep
+    from edgekv.attention.prefix_kv import PrefixKV
+    from edgekv.models.fused_norm import FusedRMSNorm
+    from edgekv.models.loading import load_model
+
+    edge = load_model(save_model(tiny_qwen2(3, 64, 4, 2, seed=7, init=0.2).to(torch.bfloat16), byte_tokenizer(),
+                                 tmp_path / "edge"), "bfloat16")
+    report = qz.quantize_linears(edge.model, "gguf-q8", _quantize_tiny(edge))
+    model = edge.model
+    assert report["fused_norms"] == 2 * 3 + 1
+    assert sum(isinstance(m, FusedRMSNorm) for m in model.modules()) == 2 * 3 + 1
+    step = DecodeStep.for_model(model)
+    assert step is not None and step.kernels is not None
+    prefix = PrefixKV.of_model(model, torch.arange(3, 40))
+    caches = prefix.request_cache(), prefix.request_cache()
+    block = torch.tensor([[7, 19, 4, 88, 23]])
+    where = torch.arange(prefix.next_position, prefix.next_position + 5)[None]
+    with torch.no_grad():
+        want = model(input_ids=block, cache=caches[0], position_ids=where, use_cache=True, logits_to_keep=5).logits[0]
+        assert torch.equal(step(block, where, caches[1], torch.arange(5)), want)
+        token, position = want[-1].argmax()[None], prefix.next_position + 5
+        for _ in range(6):
+            want = model(input_ids=token[None], cache=caches[0], position_ids=torch.tensor([[position]]),
+                         use_cache=True, logits_to_keep=1).logits[0, -1]
+            assert torch.equal(step(token[None], torch.tensor([[position]]), caches[1])[-1], want)
+            token, position = want.argmax()[None], position + 1
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
 @pytest.mark.slow
 def test_the_real_edge_on_its_gguf_blocks(tmp_path, kernels):
     """The default edge with `--weights gguf`: every linear on the file's blocks, every block type's rows

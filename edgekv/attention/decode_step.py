@@ -8,7 +8,9 @@ the layouts whose block is exactly `h += attn(norm(h)); h += mlp(norm(h))` with 
 (Llama, Qwen2, Mistral). Every relay step (decode tokens and prompt chunks of many requests: relay attention masks
 each request itself) and every one-request step over its own cache (a decode token, or a prompt block with the
 causal mask the model's forward builds: one bool mask for all layers, as sdpa_mask gives) take it; anything else
-(other layouts, a step with cloud segments) goes through the model's forward as before.
+(other layouts, a step with cloud segments) goes through the model's forward as before. On a GGUF edge the rotary
+embedding is the compiled kernel's (one call per q and k, the model's arithmetic bit for bit) and the norms are the
+fused ones the whole model uses (models/fused_norm.py).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 
 from edgekv.attention.merge import can_flash, causal_visible, fast_segment_attention
 from edgekv.attention.relay import relay_attention
-from edgekv.models.gguf_linear import GGUFLinear
+from edgekv.models.gguf_linear import GGUFLinear, kernels
 from edgekv.models.quantized import Int4Linear
 
 # model families whose decoder block is the plain pre-LN rotary block this step reproduces
@@ -55,6 +57,8 @@ class DecodeStep:
         self.head_dim = attn.head_dim
         # the rotary function the model's attention applies (its own module's, so the arithmetic is the same)
         self.rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        # a GGUF edge has the compiled kernels: its rotary is one call per q and k, the same arithmetic bit for bit
+        self.kernels = kernels() if any(isinstance(m, GGUFLinear) for m in model.modules()) else None
         # int4 / gguf q/k/v (and gate/up) as one product per layer where they join (a copy of their bytes: int4
         # q/k/v ~0.7 ms a token fewer, measured); a layer whose v is another GGUF type joins q/k only
         self.qkv = [_groups([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
@@ -102,6 +106,8 @@ class DecodeStep:
         t = ids.shape[1]
         h = self.embed(ids)
         cos, sin = self.rotary(h, positions)
+        if self.kernels is not None:
+            cos_t, sin_t = cos.reshape(t, -1).contiguous(), sin.reshape(t, -1).contiguous()
         d = self.head_dim
         # one request's block: query i sees the cache and the block's first i + 1 tokens (one mask object for
         # every layer, so the additive form is made once, as for the model's own sdpa_mask)
@@ -110,9 +116,13 @@ class DecodeStep:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            q, k, v = (y for linear, sizes in self.qkv[i] for y in linear(x).split(sizes, -1))
-            q, k, v = (y.view(1, t, -1, d).transpose(1, 2) for y in (q, k, v))
-            q, k = self._rotate(q, k, cos, sin)
+            q, k, v = (y.view(t, -1, d) for linear, sizes in self.qkv[i] for y in linear(x).split(sizes, -1))
+            if self.kernels is not None:  # in place on the products' own rows (t, heads, d)
+                self.kernels.rotary_(q, cos_t, sin_t)
+                self.kernels.rotary_(k, cos_t, sin_t)
+            q, k, v = (y[None].transpose(1, 2) for y in (q, k, v))
+            if self.kernels is None:
+                q, k = self._rotate(q, k, cos, sin)
             keys, values = cache.layers[i].update(k, v)
             if relay is not None:
                 out = relay_attention(attn, q, relay, attn.scaling)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from edgekv import EdgeKVError
+from edgekv.models.fused_norm import fuse_norms
 from edgekv.models.gguf_linear import GGUFLinear, kernels, module_name, why_not
 from edgekv.models.prepack import page_out
 from edgekv.models.structure import model_device
@@ -218,6 +219,8 @@ def quantize_linears(model: torch.nn.Module, weights: str, exact: dict | None = 
         del linear
         trim_heap()  # the float32 work copies of this layer
         report["quantized"] += 1
+    if gguf:  # the norms too: one kernel call each instead of seven aten calls (models/fused_norm.py)
+        report["fused_norms"] = fuse_norms(model)
     return report
 
 
