@@ -701,11 +701,68 @@ torch::Tensor gguf_dequantize(torch::Tensor w, int64_t type, int64_t k) {
 // The decoder's small ops in one pass each (a decode step made ~3,000 aten calls a token outside the products:
 // RMSNorm alone ~7 per norm × 49, ≈ 4 ms of a 44 ms step at 2 threads, measured by switching it off).
 
-// RMSNorm of bf16 rows as transformers' Llama/Qwen2/Mistral norm computes it: y = bf16(w · bf16(x · r)),
-// r = 1/sqrt(mean(x²) + eps) in float32. Only the order of the sum of squares is this kernel's own (16 lanes, then
-// the lanes in order), so y may differ from the aten ops' by one bf16 step where x · r lands on a rounding edge.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+// Σ v² over a row in the order ATen's float sum takes (SumKernel.cpp's cascade_sum on a contiguous row, with
+// `width`-float vectors: 8 on this project's AVX-512 machine, measured; fused_norm.py checks): vectors in 4 interleaved chains
+// summed in a 4-level cascade of `step`-row blocks, leftover vectors into chain 0, the chains folded in order,
+// then the scalar tail and the lanes left to right. The same floats in the same order give the same sum.
+float aten_sum_of_squares(const uint16_t* row, int64_t n, int width) {
+  constexpr int kChains = 4, kLevels = 4, kMaxWidth = 16;
+  if (n < width) width = 1;  // ATen's scalar loop: the same cascade over single floats
+  const int64_t vectors = n / width, rows = vectors / kChains;
+  int64_t log2 = 1;  // ATen's CeilLog2 (1 for rows ≤ 2)
+  while (rows > 2 && (int64_t(1) << log2) < rows) ++log2;
+  const int64_t power = std::max<int64_t>(4, log2 / kLevels), step = int64_t(1) << power, mask = step - 1;
+  float acc[kLevels][kChains][kMaxWidth] = {};
+  auto add_vector = [&](float* into, int64_t v) {
+    for (int l = 0; l < width; ++l) {
+      const float x = bf16f(row[v * width + l]);
+      into[l] += x * x;
+    }
+  };
+  int64_t i = 0;
+  for (; i + step <= rows;) {
+    for (int64_t j = 0; j < step; ++j, ++i)
+      for (int c = 0; c < kChains; ++c) add_vector(acc[0][c], i * kChains + c);
+    for (int j = 1; j < kLevels; ++j) {
+      for (int c = 0; c < kChains; ++c)
+        for (int l = 0; l < width; ++l) {
+          acc[j][c][l] += acc[j - 1][c][l];
+          acc[j - 1][c][l] = 0.f;
+        }
+      if ((i & (mask << (j * power))) != 0) break;
+    }
+  }
+  for (; i < rows; ++i)
+    for (int c = 0; c < kChains; ++c) add_vector(acc[0][c], i * kChains + c);
+  for (int j = 1; j < kLevels; ++j)
+    for (int c = 0; c < kChains; ++c)
+      for (int l = 0; l < width; ++l) acc[0][c][l] += acc[j][c][l];
+  for (int64_t v = rows * kChains; v < vectors; ++v) add_vector(acc[0][0], v);
+  for (int c = 1; c < kChains; ++c)
+    for (int l = 0; l < width; ++l) acc[0][0][l] += acc[0][c][l];
+  float sum = 0.f;
+  for (int64_t k = vectors * width; k < n; ++k) sum += bf16f(row[k]) * bf16f(row[k]);
+  for (int l = 0; l < width; ++l) sum += acc[0][0][l];
+  return sum;
+}
+
+// Each bf16 row's Σx² (float32) in the order above: how fused_norm.py finds the width that reproduces ATen's sum.
+torch::Tensor sum_of_squares(torch::Tensor x, int64_t width) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [rows, n]");
+  TORCH_CHECK(width == 8 || width == 16, "width: 8 or 16, not ", width);
+  auto out = torch::empty({x.size(0)}, x.options().dtype(torch::kFloat32));
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  for (int64_t r = 0; r < x.size(0); ++r)
+    out.data_ptr<float>()[r] = aten_sum_of_squares(xp + r * x.size(1), x.size(1), static_cast<int>(width));
+  return out;
+}
+
+// RMSNorm of bf16 rows as transformers' Llama/Qwen2/Mistral norm computes it, in one call: y = bf16(w · bf16(x·r)),
+// r = 1/sqrt(Σx²/n + eps) in float32, every operation as the aten ops round it and the sum in their order (above),
+// so y is theirs bit for bit where ATen's float vectors are `width` wide.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, int64_t width) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "x: contiguous bf16");
+  TORCH_CHECK(width == 8 || width == 16, "width: ATen's float vector width, 8 or 16, not ", width);
   const int64_t n = x.size(-1), rows = x.numel() / std::max<int64_t>(n, 1);
   TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.is_contiguous() && w.numel() == n, "w: contiguous bf16 [", n, "]");
   auto out = torch::empty_like(x);
@@ -716,17 +773,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const uint16_t* row = xp + r * n;
-      float lanes[kLanes] = {};
-      int64_t i = 0;
-      for (; i + kLanes <= n; i += kLanes)
-        for (int l = 0; l < kLanes; ++l) {
-          const float v = bf16f(row[i + l]);
-          lanes[l] += v * v;
-        }
-      float sum = 0.f;
-      for (int l = 0; l < kLanes; ++l) sum += lanes[l];
-      for (; i < n; ++i) sum += bf16f(row[i]) * bf16f(row[i]);
-      const float scale = 1.f / std::sqrt(sum / static_cast<float>(n) + e);
+      const float scale = 1.f / std::sqrt(aten_sum_of_squares(row, n, static_cast<int>(width)) /
+                                          static_cast<float>(n) + e);
       for (int64_t j = 0; j < n; ++j) {
         const float normed = static_cast<float>(at::BFloat16(bf16f(row[j]) * scale));
         op[r * n + j] = at::BFloat16(bf16f(wp[j]) * normed);
@@ -771,6 +819,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_mm", &gguf_mm, "x[M,K] bf16 · W[N,K]ᵀ (+ bias) with W in GGUF blocks, float32 out (or bf16)",
         py::arg("x"), py::arg("w"), py::arg("type"), py::arg("bias") = py::none(), py::arg("bf16_out") = false);
   m.def("gguf_dequantize", &gguf_dequantize, "GGUF blocks → float32 rows");
-  m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows (transformers' formula, one pass)");
+  m.def("sum_of_squares", &sum_of_squares, "each bf16 row's sum of squares in ATen's order for a vector width");
+  m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows (transformers' formula and ATen's sum order, one call)");
   m.def("rotary_", &rotary_, "rotary embedding of bf16 [T, H, d] in place (transformers' formula, bit-equal)");
 }
