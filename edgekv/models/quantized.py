@@ -213,8 +213,7 @@ def quantize_linears(model: torch.nn.Module, weights: str, exact: dict | None = 
             new = Int8Linear(linear.weight, linear.bias, dtype)
             report["bytes_after"] += new.q.numel() + new.scale.numel() * new.scale.element_size()
         report["exact_from_gguf"] += found is not None
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, new)
+        model.set_submodule(name, new)
         page_out(linear.weight)  # mapped from the weights file: hand its pages back (a tied head's too)
         del linear
         trim_heap()  # the float32 work copies of this layer
