@@ -85,25 +85,55 @@ def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("name", list(BLOCK_TYPES))
 def test_the_int8_activation_product_is_the_files_weights_times_int8_rows(kernels, name):
-    """`gguf-q8` (llama.cpp's arithmetic): y = x̂·Wᵀ with W the file's weights and x̂ the rows rounded to int8 per 32
-    values, within 1e-5 of float64; its distance from the exact product stays inside the rounding's bound
-    Σ|w|·amax/254; rows bit-independent (1, 3, 4, 9 rows: tiles of 4 and 2 and the tails)."""
+    """`gguf-q8` (llama.cpp's arithmetic): the panels the blocks are repacked into hold the file's weights (unpacked
+    bit-equal to gguf-py's dequantizer); y = x̂·Wᵀ with x̂ the rows rounded to int8 per 32 values, within 1e-5 of
+    float64; its distance from the exact product stays inside the rounding's bound Σ|w|·amax/254; rows
+    bit-independent (1–5 rows: the decode step's streaming tiles, the prompt's 4-row tiles and their tails), N
+    not a multiple of the 16-row panels."""
+    import gguf
+
     n, k = 37, 768
-    rows = torch.from_numpy(random_blocks(name, n, k, seed=2).copy())
+    raw = random_blocks(name, n, k, seed=2)
+    rows = torch.from_numpy(raw.copy())
     w = kernels.gguf_dequantize(rows, BLOCK_TYPES[name], k).double()
+    panels = kernels.gguf_pack_q8(rows, BLOCK_TYPES[name], k)
+    assert panels.shape[0] == 3 and abs(panels.shape[1] / 16 / raw.shape[1] - 1) < 0.03  # a row: the file's bytes (Q4_K +2.8 %)
+    unpacked = kernels.gguf_unpack_q8(panels, BLOCK_TYPES[name], k, n).numpy()
+    assert np.array_equal(unpacked, gguf.quants.dequantize(raw, BLOCK_TYPES[name]).reshape(n, k).astype(np.float32))
     x = torch.randn(9, k).bfloat16()
     x[2, 64:96] = 0  # an all-zero chunk: scale 0, codes 0
     rounded, half = int8_rows(x)
-    got = kernels.gguf_mm_q8(x, rows, BLOCK_TYPES[name]).double()
+    got = kernels.gguf_mm_q8(x, panels, BLOCK_TYPES[name], n).double()
     want = rounded @ w.T
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
     exact = x.double() @ w.T
     assert ((got - exact).abs() <= half @ w.abs().T + 1e-5 * exact.abs().max()).all()
     assert (got - exact).abs().max() > 0  # the rounding is real: this is not the exact path
-    for m in (1, 3, 4):
-        assert torch.equal(kernels.gguf_mm_q8(x[:m].contiguous(), rows, BLOCK_TYPES[name]), got[:m].float())
+    for m in (1, 2, 3, 4, 5):
+        assert torch.equal(kernels.gguf_mm_q8(x[:m].contiguous(), panels, BLOCK_TYPES[name], n), got[:m].float())
+    assert torch.equal(kernels.gguf_mm_q8(x[6:8].contiguous(), panels, BLOCK_TYPES[name], n), got[6:8].float())
     lin = gl.GGUFLinear(rows, BLOCK_TYPES[name], k, torch.randn(n), torch.bfloat16, int8_activations=True)
     assert torch.equal(lin(x), (got.float() + lin.bias).bfloat16())  # the bias in float32, one rounding
+    assert torch.equal(lin.weight_float(), w.float())
+
+
+def test_the_portable_int8_product_is_the_vnni_one_bit_for_bit(kernels, tmp_path):
+    """The kernels built without AVX-512 VNNI/BF16 (the portable loops a machine without them gets) give the same
+    panels and the same gguf-q8 products bit for bit: the arithmetic is one sequence of operations everywhere."""
+    if not kernels.fast_path_q8():
+        pytest.skip("this machine has no AVX-512 VNNI: the kernels it runs are the portable ones already")
+    portable = gl.build_kernels(tmp_path, "portable", ["-mno-avx512vnni", "-mno-avx512bf16"])
+    assert not portable.fast_path_q8() and not portable.fast_path()
+    for name, ggml_type in BLOCK_TYPES.items():
+        n, k = 21, 512
+        rows = torch.from_numpy(random_blocks(name, n, k, seed=3).copy())
+        panels = kernels.gguf_pack_q8(rows, ggml_type, k)
+        assert torch.equal(portable.gguf_pack_q8(rows, ggml_type, k), panels)
+        x = torch.randn(9, k).bfloat16()
+        for m in (1, 2, 9):
+            xm = x[:m].contiguous()
+            want = kernels.gguf_mm_q8(xm, panels, ggml_type, n)
+            assert torch.equal(portable.gguf_mm_q8(xm, panels, ggml_type, n), want)
 
 
 def test_linears_that_cannot_take_blocks_stay_dense_and_say_so(kernels, caplog):
@@ -208,7 +238,7 @@ def test_tiny_gguf_edge_splice_equals_its_own_full_prefill_and_keeps_the_bf16_fi
         assert len(inputs) == 3 * 7 + 1
         for name, (x, y) in inputs.items():
             lin = edge.model.get_submodule(name)  # its weights: the blocks' own (d·q, unrounded)
-            w = kernels.gguf_dequantize(lin.blocks, lin.ggml_type, lin.in_features).double()
+            w = lin.weight_float().double()
             want = int8_rows(x.reshape(-1, lin.in_features))[0] @ w.T
             want = want + (0 if lin.bias is None else lin.bias.double())
             assert (y.reshape(want.shape).double() - want).abs().max() <= 2 ** -8 * want.abs().max(), name

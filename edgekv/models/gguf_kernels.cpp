@@ -22,7 +22,6 @@
 namespace {
 
 constexpr int kLanes = 16;  // float32 lanes of the accumulation (one AVX-512 register)
-constexpr int64_t kMaxChunks = 1024;  // int8-activation Q4_K rows: up to 32,768 values (checked at the entry)
 constexpr int64_t kAhead = 4096;  // bytes a weight stream is prefetched ahead (768 → 4096 doubled Q5_0's GB/s)
 
 inline float fp16(const uint8_t* p) {
@@ -315,32 +314,233 @@ void mm(const uint16_t* x, int64_t m_rows, int64_t k, const uint8_t* w, int64_t 
 
 // ---------------------------------------------------------------------------------------------------------------
 // The int8-activation product (`--weights gguf-q8`, llama.cpp's arithmetic): each activation row is rounded to int8
-// per 32 values (scale amax/127 in float32, round half to even; ggml's q8_0 with a float scale) and meets the
-// weight codes in integer dot products (vpdpbusd: 64 code·activation products per instruction, exact in int32);
-// each 32-value chunk's int32 sum is scaled once by the weight's and the activation's scales. The weights are the
-// file's exactly; the activations carry the int8 rounding. Per row the same sequence of operations whatever M, the
-// tiling or the threads.
+// per 32 values (scale amax/127 in float32, round half to even; ggml's q8_0 with a float scale); each weight
+// scale-group's integer dot with them is exact in int32 (vpdpbusd: 64 code·activation products an instruction) and
+// meets its float scales once: acc = fma(float(I), s·dx, acc), group after group (Q4_K then takes its min term,
+// acc = acc − dmin·m · Σx̂). Per output the same sequence of operations whatever M, the tiling or the threads, on
+// every machine (the portable loop below performs the same operations), so a row's result never depends on the
+// rows computed with it: a spliced prefix equals the full prefill, a batch of clients each one alone.
+//
+// The weights are repacked once at load (gguf_pack_q8) into panels of 16 rows, the layout of a VNNI GEMM: per
+// 32-value chunk, each group of 4 values of the 16 rows is one 64-byte vector (row r's 4 codes at bytes 4r..4r+3),
+// so one vpdpbusd adds 4 products to each of 16 outputs, and a chunk's integer sums need no horizontal reduction.
+// The codes keep the file's bits (Q5_0 4 + 1 bit plane, Q6_K 4 + 2 bit planes, Q4_K 4, Q8_0 8) and the file's
+// scales (fp16, 6- and 8-bit sub-scales): a panel holds the file's bytes rearranged (Q4_K +2.8 %: its 6-bit sub-scales
+// take a byte each; `panel_bytes`).
+//
+// Chunk record per panel (codes unsigned, value = code − offset):
+//   Q8_0 544 B: 8 × 64 B codes (code + 128), 16 fp16 d
+//   Q5_0 352 B: 4 × 64 B nibbles (vector v: low nibble group 2v, high nibble group 2v + 1), 8 × 8 B bit-4 masks,
+//               16 fp16 d
+//   Q4_K 288 B: 4 × 64 B nibbles, 16 B sc, 16 B m (6-bit);  after the chunks, per super-block 16 fp16 d, 16 dmin
+//   Q6_K 416 B: 4 × 64 B nibbles, 8 × 8 B bit-4 masks, 8 × 8 B bit-5 masks, 2 × 16 int8 sc (values 0–15, 16–31);
+//               after the chunks, per super-block 16 fp16 d
+
+constexpr int64_t kPanel = 16;
+
+template <int64_t T>
+constexpr int64_t kRecord = T == Q8_0 ? 544 : T == Q5_0 ? 352 : T == Q4_K ? 288 : 416;
+template <int64_t T>
+constexpr int64_t kSuper = T == Q4_K ? 64 : T == Q6_K ? 32 : 0;  // per 256 values
+template <int64_t T>
+constexpr int kOffset = T == Q8_0 ? 128 : T == Q5_0 ? 16 : T == Q6_K ? 32 : 0;
+template <int64_t T>
+constexpr int kGroup = T == Q6_K ? 16 : 32;  // values per weight scale
+
+template <int64_t T>
+inline int64_t panel_bytes(int64_t k) { return k / 32 * kRecord<T> + k / 256 * kSuper<T>; }
+
+template <typename F>
+void by_type(int64_t type, const F& f) {
+  switch (type) {
+    case Q8_0: f(std::integral_constant<int64_t, Q8_0>{}); break;
+    case Q5_0: f(std::integral_constant<int64_t, Q5_0>{}); break;
+    case Q4_K: f(std::integral_constant<int64_t, Q4_K>{}); break;
+    case Q6_K: f(std::integral_constant<int64_t, Q6_K>{}); break;
+    default: TORCH_CHECK(false, "unsupported GGUF block type ", type);
+  }
+}
+
+// One file row's codes (unsigned, value = code − offset) and scale fields, as ggml's dequantize_row_* reads them.
+struct RowCodes {
+  std::vector<uint8_t> u;         // [K]
+  std::vector<uint16_t> d;        // Q8_0/Q5_0: per chunk; K-quants: per super-block (fp16 bits)
+  std::vector<uint16_t> dmin;     // Q4_K: per super-block
+  std::vector<int16_t> sc, m;     // Q4_K: per chunk (6-bit sc, m); Q6_K: per 16 values (int8 sc)
+};
+
+inline uint16_t u16(const uint8_t* p) { uint16_t h; std::memcpy(&h, p, 2); return h; }
+
+template <int64_t T>
+void row_codes(const uint8_t* row, int64_t k, RowCodes& r) {
+  r.u.assign(k, 0);
+  r.d.clear(), r.dmin.clear(), r.sc.clear(), r.m.clear();
+  if constexpr (T == Q8_0) {
+    for (int64_t c = 0; c < k / 32; ++c) {
+      const uint8_t* b = row + c * 34;
+      r.d.push_back(u16(b));
+      for (int l = 0; l < 32; ++l) r.u[32 * c + l] = static_cast<uint8_t>(b[2 + l] ^ 0x80);
+    }
+  } else if constexpr (T == Q5_0) {
+    for (int64_t c = 0; c < k / 32; ++c) {
+      const uint8_t* b = row + c * 22;
+      r.d.push_back(u16(b));
+      uint32_t qh;
+      std::memcpy(&qh, b + 2, 4);
+      for (int l = 0; l < 32; ++l)
+        r.u[32 * c + l] = static_cast<uint8_t>(((l < 16 ? b[6 + l] : b[6 + l - 16] >> 4) & 0x0F) | (((qh >> l) & 1) << 4));
+    }
+  } else if constexpr (T == Q4_K) {
+    for (int64_t s = 0; s < k / 256; ++s) {
+      const uint8_t* b = row + s * 144;
+      r.d.push_back(u16(b)), r.dmin.push_back(u16(b + 2));
+      for (int j = 0; j < 8; ++j) {
+        uint8_t sc, m;
+        scale_min_k4(j, b + 4, &sc, &m);
+        r.sc.push_back(sc), r.m.push_back(m);
+        for (int l = 0; l < 32; ++l) r.u[256 * s + 32 * j + l] = (b[16 + 32 * (j / 2) + l] >> (4 * (j % 2))) & 0x0F;
+      }
+    }
+  } else {
+    for (int64_t s = 0; s < k / 256; ++s) {
+      const uint8_t* b = row + s * 210;
+      r.d.push_back(u16(b + 208));
+      for (int j = 0; j < 8; ++j) {  // chunk j: group r of half h (ggml's y[128h + 32r + l])
+        const int h = j / 4, g = j % 4;
+        for (int l = 0; l < 32; ++l) {
+          const int lo = (b[64 * h + l + 32 * (g & 1)] >> (g < 2 ? 0 : 4)) & 0x0F;
+          const int hi = (b[128 + 32 * h + l] >> (2 * g)) & 3;
+          r.u[256 * s + 32 * j + l] = static_cast<uint8_t>(lo | (hi << 4));
+        }
+        const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 8 * h + 2 * g;
+        r.sc.push_back(sc[0]), r.sc.push_back(sc[1]);
+      }
+    }
+  }
+}
+
+// File rows [N, row bytes] → panels [ceil(N/16), panel_bytes]; rows past N are zeros (scale 0).
+template <int64_t T>
+torch::Tensor pack(const uint8_t* w, int64_t n_rows, int64_t row_bytes, int64_t k) {
+  const int64_t panels = (n_rows + kPanel - 1) / kPanel, pb = panel_bytes<T>(k), chunks = k / 32;
+  auto out = torch::zeros({panels, pb}, torch::kUInt8);
+  uint8_t* o = out.data_ptr<uint8_t>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    RowCodes r;
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t i = 0; i < kPanel && p * kPanel + i < n_rows; ++i) {
+        row_codes<T>(w + (p * kPanel + i) * row_bytes, k, r);
+        uint8_t* panel = o + p * pb;
+        for (int64_t c = 0; c < chunks; ++c) {
+          uint8_t* rec = panel + c * kRecord<T>;
+          const uint8_t* u = r.u.data() + 32 * c;
+          for (int q = 0; q < 8; ++q)
+            for (int l = 0; l < 4; ++l) {
+              const uint8_t code = u[4 * q + l];
+              const int at = 4 * static_cast<int>(i) + l;  // byte of row i's l-th code in a 64-byte vector
+              if constexpr (T == Q8_0) {
+                rec[64 * q + at] = code;
+              } else {
+                rec[64 * (q / 2) + at] |= static_cast<uint8_t>((code & 0x0F) << (4 * (q % 2)));
+                if constexpr (T == Q5_0 || T == Q6_K) rec[256 + 8 * q + at / 8] |= ((code >> 4) & 1) << (at % 8);
+                if constexpr (T == Q6_K) rec[320 + 8 * q + at / 8] |= ((code >> 5) & 1) << (at % 8);
+              }
+            }
+          if constexpr (T == Q8_0 || T == Q5_0) std::memcpy(rec + kRecord<T> - 32 + 2 * i, &r.d[c], 2);
+          if constexpr (T == Q4_K) rec[256 + i] = static_cast<uint8_t>(r.sc[c]), rec[272 + i] = static_cast<uint8_t>(r.m[c]);
+          if constexpr (T == Q6_K) {
+            rec[384 + i] = static_cast<uint8_t>(r.sc[2 * c]);
+            rec[400 + i] = static_cast<uint8_t>(r.sc[2 * c + 1]);
+          }
+        }
+        for (int64_t s = 0; s < k / 256 && kSuper<T> > 0; ++s) {
+          uint8_t* sb = panel + chunks * kRecord<T> + s * kSuper<T>;
+          std::memcpy(sb + 2 * i, &r.d[s], 2);
+          if constexpr (T == Q4_K) std::memcpy(sb + 32 + 2 * i, &r.dmin[s], 2);
+        }
+      }
+  });
+  return out;
+}
+
+// A panel's chunk as plain numbers (the portable product and the unpacking read it): codes [32][16 rows] and,
+// per row, the scales as the fast path forms them (s = d·sc exactly, a second s for Q6_K's values 16–31, mn = dmin·m).
+struct Plain {
+  uint8_t u[32][kPanel];
+  float sa[kPanel], sb[kPanel], mn[kPanel];
+};
+
+template <int64_t T>
+void plain_chunk(const uint8_t* panel, int64_t c, int64_t chunks, Plain& P) {
+  const uint8_t* rec = panel + c * kRecord<T>;
+  for (int q = 0; q < 8; ++q)
+    for (int at = 0; at < 64; ++at) {
+      int code;
+      if constexpr (T == Q8_0) {
+        code = rec[64 * q + at];
+      } else {
+        code = (rec[64 * (q / 2) + at] >> (4 * (q % 2))) & 0x0F;
+        if constexpr (T == Q5_0 || T == Q6_K) code |= ((rec[256 + 8 * q + at / 8] >> (at % 8)) & 1) << 4;
+        if constexpr (T == Q6_K) code |= ((rec[320 + 8 * q + at / 8] >> (at % 8)) & 1) << 5;
+      }
+      P.u[4 * q + at % 4][at / 4] = static_cast<uint8_t>(code);
+    }
+  const uint8_t* sb = panel + chunks * kRecord<T> + (c / 8) * kSuper<T>;
+  for (int i = 0; i < kPanel; ++i) {
+    P.sb[i] = P.mn[i] = 0.f;
+    if constexpr (T == Q8_0 || T == Q5_0) {
+      P.sa[i] = fp16(rec + kRecord<T> - 32 + 2 * i);
+    } else if constexpr (T == Q4_K) {
+      P.sa[i] = fp16(sb + 2 * i) * static_cast<float>(rec[256 + i]);
+      P.mn[i] = fp16(sb + 32 + 2 * i) * static_cast<float>(rec[272 + i]);
+    } else {
+      P.sa[i] = fp16(sb + 2 * i) * static_cast<float>(static_cast<int8_t>(rec[384 + i]));
+      P.sb[i] = fp16(sb + 2 * i) * static_cast<float>(static_cast<int8_t>(rec[400 + i]));
+    }
+  }
+}
+
+// Panels → the file's weights, float32 [N, K], as ggml computes them (the tests check it against gguf-py).
+template <int64_t T>
+torch::Tensor unpack(const uint8_t* panels, int64_t n_rows, int64_t k) {
+  auto y = torch::empty({n_rows, k}, torch::kFloat32);
+  float* yp = y.data_ptr<float>();
+  const int64_t chunks = k / 32, pb = panel_bytes<T>(k);
+  Plain P;
+  for (int64_t p = 0; p * kPanel < n_rows; ++p)
+    for (int64_t c = 0; c < chunks; ++c) {
+      plain_chunk<T>(panels + p * pb, c, chunks, P);
+      for (int i = 0; i < kPanel && p * kPanel + i < n_rows; ++i)
+        for (int l = 0; l < 32; ++l) {
+          const float q = static_cast<float>(static_cast<int>(P.u[l][i]) - kOffset<T>);
+          float v = (T == Q6_K && l >= 16 ? P.sb[i] : P.sa[i]) * q;  // ggml: (d·sc)·q, then − dmin·m
+          if constexpr (T == Q4_K) v -= P.mn[i];
+          yp[(p * kPanel + i) * k + 32 * c + l] = v;
+        }
+    }
+  return y;
+}
 
 struct Act {
-  int64_t m_rows, k, pairs;    // pairs: 64-value steps
+  int64_t m_rows, k, chunks;
   std::vector<int8_t> q;       // [M, K] codes
-  std::vector<float> d;        // [M, pairs, 16] the scale of each int32 lane's chunk
+  std::vector<float> dx;       // [M, K/32] scales
   std::vector<float> csum;     // [M, K/32] each chunk's codes summed, times its scale (Q4_K's min term)
-  std::vector<int32_t> corr;   // [M, pairs, 16] −offset·(each lane's 4 codes summed): the unsigned codes' offset
+  std::vector<int32_t> corr;   // [M, K/G] −offset·(the codes of each weight scale-group summed): the offset's share
 };
 
 inline float bf16f(uint16_t h) { uint32_t u = static_cast<uint32_t>(h) << 16; float f; std::memcpy(&f, &u, 4); return f; }
 
-// x (bf16) → int8 codes per 32 values; `offset` is the weight codes' offset (their value is code − offset). The
-// calling thread's buffers are reused: every entry is written, and a fresh megabyte per call cost its page faults.
-const Act& quantize_act(const uint16_t* x, int64_t m_rows, int64_t k, int offset) {
+// x (bf16) → int8 codes per 32 values; `offset`, `group`: the weight codes' offset and scale group. The calling
+// thread's buffers are reused: every entry is written, and a fresh megabyte per call cost its page faults.
+const Act& quantize_act(const uint16_t* x, int64_t m_rows, int64_t k, int offset, int group) {
   thread_local Act buffers;
   Act& a = buffers;  // a plain reference: inside the parallel loop below, `buffers` would name each worker's own
-  a.m_rows = m_rows, a.k = k, a.pairs = k / 64;
+  a.m_rows = m_rows, a.k = k, a.chunks = k / 32;
   a.q.resize(m_rows * k);
-  a.d.resize(m_rows * a.pairs * 16);
-  a.csum.resize(m_rows * (k / 32));
-  a.corr.resize(m_rows * a.pairs * 16);
+  a.dx.resize(m_rows * a.chunks);
+  a.csum.resize(m_rows * a.chunks);
+  a.corr.resize(m_rows * (k / group));
   // rows in parallel (a prompt block's 64 × 4,864 took 0.8 ms on one thread as scalar code: 7 % of a TTFT)
   at::parallel_for(0, m_rows, 8, [&](int64_t m_begin, int64_t m_end) {
   for (int64_t m = m_begin; m < m_end; ++m) {
@@ -361,245 +561,248 @@ const Act& quantize_act(const uint16_t* x, int64_t m_rows, int64_t k, int offset
       const __m512i qhi = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(hi, vinv), kNearest));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qlo));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qhi));
-      const int chunk_sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+      const int sum_lo = _mm512_reduce_add_epi32(qlo), sum_hi = _mm512_reduce_add_epi32(qhi);
 #else
       float amax = 0.f;
       for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(bf16f(xc[i])));
       const float dx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      int chunk_sum = 0;
-      for (int i = 0; i < 32; ++i) chunk_sum += q[i] = static_cast<int8_t>(std::nearbyint(bf16f(xc[i]) * inv));
-#endif
-      a.csum[m * (k / 32) + c] = static_cast<float>(chunk_sum) * dx;
-      // lane (c % 2)·8 + l of pair c / 2 covers codes 4l..4l+3 of this chunk
-      const int64_t at = (m * a.pairs + c / 2) * 16 + (c % 2) * 8;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-      const __m256i fours = _mm256_madd_epi16(  // codes summed in pairs (int16), then the pairs in pairs (int32)
-          _mm256_maddubs_epi16(_mm256_set1_epi8(1), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))),
-          _mm256_set1_epi16(1));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.corr.data() + at),
-                          _mm256_mullo_epi32(fours, _mm256_set1_epi32(-offset)));
-      _mm256_storeu_ps(a.d.data() + at, _mm256_set1_ps(dx));
-#else
-      for (int l = 0; l < 8; ++l) {
-        a.d[at + l] = dx;
-        a.corr[at + l] = -offset * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
+      int sum_lo = 0, sum_hi = 0;
+      for (int i = 0; i < 32; ++i) {
+        q[i] = static_cast<int8_t>(std::nearbyint(bf16f(xc[i]) * inv));
+        (i < 16 ? sum_lo : sum_hi) += q[i];
       }
 #endif
+      a.dx[m * a.chunks + c] = dx;
+      a.csum[m * a.chunks + c] = static_cast<float>(sum_lo + sum_hi) * dx;
+      if (group == 16) {
+        a.corr[m * (k / 16) + 2 * c] = -offset * sum_lo;
+        a.corr[m * (k / 16) + 2 * c + 1] = -offset * sum_hi;
+      } else {
+        a.corr[m * a.chunks + c] = -offset * (sum_lo + sum_hi);
+      }
     }
   }
   });
   return a;
 }
 
-template <int64_t T>
-constexpr int kOffset = T == Q8_0 ? 128 : T == Q5_0 ? 16 : T == Q6_K ? 32 : 0;
+// The tile loops over at most this many rows of x per weight panel pass (a prompt block re-reads the panel's
+// decoded codes from cache for each).
+constexpr int kTileRows = 4;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 constexpr bool kFastQ8 = true;
 
-struct Pair {
-  __m512i u;   // 64 unsigned codes: chunks 2p, 2p + 1
-  __m512 s;    // per-lane weight scale (lanes 0–7: chunk 2p, 8–15: chunk 2p + 1; Q6_K: per 16 values)
+// A panel's chunk decoded once for a prompt block: 8 × 64 B codes and the float scales, reused by every 4-row tile.
+struct Decoded {
+  __m512i u[8];
+  __m512 sa, sb, mn;
 };
 
-inline __m512i lane_ids() { return _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
-inline __m512i lanes_of_pair() { return _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0); }
+inline __m512 scale_row(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 u8_floats(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
+inline __m512 i8_floats(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
 
-// A K-quant super-block's scales as floats, once per 4 pairs: Q4_K lanes 0–7 d·sc_j, 8–15 dmin·m_j (the 6-bit
-// fields of scale_min_k4 unpacked 4 at a time); Q6_K lane i d·sc_i.
-template <int64_t T>
-inline __m512 superblock_scales(const uint8_t* b) {
-  if constexpr (T == Q4_K) {
-    uint32_t w[3], v[4];
-    std::memcpy(w, b + 4, 12);
-    v[0] = w[0] & 0x3F3F3F3F;                                             // sc 0..3
-    v[1] = (w[2] & 0x0F0F0F0F) | (((w[0] >> 6) & 0x03030303) << 4);       // sc 4..7
-    v[2] = w[1] & 0x3F3F3F3F;                                             // m 0..3
-    v[3] = ((w[2] >> 4) & 0x0F0F0F0F) | (((w[1] >> 6) & 0x03030303) << 4);  // m 4..7
-    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v))));
-    return _mm512_mul_ps(q, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(fp16(b)), _mm512_set1_ps(fp16(b + 2))));
-  } else {
-    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))));
-    return _mm512_mul_ps(q, _mm512_set1_ps(fp16(b + 208)));  // exact: 11 + 8 bits
-  }
-}
+inline __mmask64 mask_at(const uint8_t* p) { uint64_t m; std::memcpy(&m, p, 8); return m; }
 
+// Codes of groups 2v, 2v + 1 of chunk record `rec`.
 template <int64_t T>
-inline Pair pair(const uint8_t* row, int64_t p, __m512 sb) {  // sb: the super-block's scales (K-quants)
-  Pair out;
-  const __m512i m4 = _mm512_set1_epi8(0x0F);
+inline void codes(const uint8_t* rec, int v, __m512i& u0, __m512i& u1) {
   if constexpr (T == Q8_0) {
-    const uint8_t* b = row + 2 * p * 34;
-    const __m512i v = _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2))),
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 36)), 1);
-    out.u = _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));  // q + 128
-    out.s = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(fp16(b)), _mm512_set1_ps(fp16(b + 34)));
-  } else if constexpr (T == Q5_0) {
-    const uint8_t* b = row + 2 * p * 22;
-    const __m256i qs = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 28)),
-                                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 6)));
-    // 128-bit lanes: [chunk 0 low nibbles | chunk 0 high | chunk 1 low | chunk 1 high] = values in order
-    __m512i v = _mm512_permutexvar_epi64(_mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0), _mm512_castsi256_si512(qs));
-    v = _mm512_and_si512(_mm512_srlv_epi64(v, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0)), m4);
-    uint32_t h0, h1;
-    std::memcpy(&h0, b + 2, 4);
-    std::memcpy(&h1, b + 24, 4);
-    const __mmask64 hi = static_cast<__mmask64>(h0) | (static_cast<__mmask64>(h1) << 32);  // bit i: value i's 5th bit
-    out.u = _mm512_mask_add_epi8(v, hi, v, _mm512_set1_epi8(16));
-    out.s = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(fp16(b)), _mm512_set1_ps(fp16(b + 22)));
-  } else if constexpr (T == Q4_K) {  // pair g of a super-block: 32 bytes, low nibbles chunk 2g, high 2g + 1
-    const int g = static_cast<int>(p % 4);
-    const __m512i v = _mm512_broadcast_i64x4(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (p / 4) * 144 + 16 + 32 * g)));
-    out.u = _mm512_and_si512(_mm512_srlv_epi64(v, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)), m4);
-    out.s = _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(2 * g), lanes_of_pair()), sb);  // d·sc
-  } else {  // Q6_K: chunks j, j + 1 (j = 2·(p % 4)) are groups r, r + 1 of half h: ql's 64 bytes at 64h, qh's 32
-    const uint8_t* b = row + (p / 4) * 210;
-    const int j = static_cast<int>(2 * (p % 4)), h = j / 4, r = j % 4;
-    __m512i ql = _mm512_loadu_si512(b + 64 * h);
-    ql = _mm512_and_si512(r == 0 ? ql : _mm512_srli_epi16(ql, 4), m4);
-    __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h)));
-    qh = _mm512_srlv_epi64(qh, _mm512_set_epi64(2 * r + 2, 2 * r + 2, 2 * r + 2, 2 * r + 2, 2 * r, 2 * r, 2 * r, 2 * r));
-    qh = _mm512_slli_epi16(_mm512_and_si512(qh, _mm512_set1_epi8(3)), 4);  // ≤ 48: stays inside each byte
-    out.u = _mm512_or_si512(ql, qh);
-    // the pair's four 16-value scales (8h + 2r ..), each over 4 lanes
-    const __m512i at = _mm512_add_epi32(_mm512_set1_epi32(8 * h + 2 * r), _mm512_srli_epi32(lane_ids(), 2));
-    out.s = _mm512_permutexvar_ps(at, sb);
-  }
-  return out;
-}
-
-// Weight row `row`'s pair p. A K-quant super-block's scales (`sb`) are unpacked at its first pair and kept for
-// the next three; Q4_K's dmin·m of the super-block's 8 chunks go to mins[2p ..] for the min term.
-template <int64_t T>
-inline Pair next_pair(const uint8_t* row, int64_t p, __m512& sb, float* mins) {
-  if constexpr (T == Q4_K || T == Q6_K) {
-    if (p % 4 == 0) {
-      sb = superblock_scales<T>(row + (p / 4) * (T == Q4_K ? 144 : 210));
-      if constexpr (T == Q4_K) _mm256_storeu_ps(mins + 2 * p, _mm512_extractf32x8_ps(sb, 1));
+    u0 = _mm512_loadu_si512(rec + 128 * v);
+    u1 = _mm512_loadu_si512(rec + 128 * v + 64);
+  } else {
+    const __m512i nib = _mm512_loadu_si512(rec + 64 * v), m4 = _mm512_set1_epi8(0x0F);
+    u0 = _mm512_and_si512(nib, m4);
+    u1 = _mm512_and_si512(_mm512_srli_epi16(nib, 4), m4);
+    if constexpr (T == Q5_0 || T == Q6_K) {
+      const __m512i b4 = _mm512_set1_epi8(16);
+      u0 = _mm512_mask_add_epi8(u0, mask_at(rec + 256 + 16 * v), u0, b4);
+      u1 = _mm512_mask_add_epi8(u1, mask_at(rec + 264 + 16 * v), u1, b4);
+    }
+    if constexpr (T == Q6_K) {
+      const __m512i b5 = _mm512_set1_epi8(32);
+      u0 = _mm512_mask_add_epi8(u0, mask_at(rec + 320 + 16 * v), u0, b5);
+      u1 = _mm512_mask_add_epi8(u1, mask_at(rec + 328 + 16 * v), u1, b5);
     }
   }
-  return pair<T>(row, p, sb);
 }
 
-// NT weight rows' pairs decoded once ([pairs][NT]), for prompt blocks: every 4-row tile of x then reads them from
-// L1/L2 instead of decoding again (the same Pair values, so the same results as the streaming tile).
-template <int64_t T, int NT>
-void predecode(const uint8_t* w, int64_t row_bytes, int64_t pairs, Pair* buf, float* mins) {
-  __m512 sb[NT];
-  for (int n = 0; n < NT; ++n) sb[n] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p)
-    for (int n = 0; n < NT; ++n) buf[p * NT + n] = next_pair<T>(w + n * row_bytes, p, sb[n], mins + n * 2 * pairs);
+// The chunk's scales for the 16 rows: sa (values 0–15, and 16–31 but for Q6_K), sb (Q6_K's 16–31), mn (Q4_K).
+template <int64_t T>
+inline void scales(const uint8_t* panel, int64_t c, int64_t chunks, __m512& sa, __m512& sb, __m512& mn) {
+  const uint8_t* rec = panel + c * kRecord<T>;
+  const uint8_t* super = panel + chunks * kRecord<T> + (c / 8) * kSuper<T>;
+  if constexpr (T == Q8_0 || T == Q5_0) {
+    sa = scale_row(rec + kRecord<T> - 32);
+  } else if constexpr (T == Q4_K) {
+    sa = _mm512_mul_ps(scale_row(super), u8_floats(rec + 256));  // exact: 11 + 6 bits
+    mn = _mm512_mul_ps(scale_row(super + 32), u8_floats(rec + 272));
+  } else {
+    const __m512 d = scale_row(super);
+    sa = _mm512_mul_ps(d, i8_floats(rec + 384));  // exact: 11 + 8 bits
+    sb = _mm512_mul_ps(d, i8_floats(rec + 400));
+  }
 }
 
-// Σ_c a[c]·b[c] over n floats, in 16 lanes then a fixed lane sum (the same order for every row)
-inline float dot_lanes(const float* a, const float* b, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
-  acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, a + i), _mm512_maskz_loadu_ps(tail, b + i), acc);
-  return _mm512_reduce_add_ps(acc);
+template <int64_t T>
+inline void decode(const uint8_t* panel, int64_t c, int64_t chunks, Decoded& D) {
+  const uint8_t* rec = panel + c * kRecord<T>;
+  for (int v = 0; v < 4; ++v) codes<T>(rec, v, D.u[2 * v], D.u[2 * v + 1]);
+  scales<T>(panel, c, chunks, D.sa, D.sb, D.mn);
 }
 
-// Q4_K's min term, −Σ_c dmin·m_c · dx_c·Σq_c, is one dot over the row's chunks per output (dot_lanes), after the
-// main loop: the tile keeps no second set of accumulators. `mins` ([NT][K/32] dmin·m) comes with `pre` or is
-// gathered here while streaming.
-
-template <int64_t T, int MT, int NT>
-inline void tile_q8(const Act& a, int64_t m0, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo,
-                    const Pair* pre = nullptr, const float* pre_mins = nullptr) {
-  __m512 acc[MT][NT];
+// MT rows of x (from m0) against NV panels (16·NV outputs from n0), every chunk: the scale-groups' exact integer
+// dots (vpdpbusd, seeded with the offset's share), then acc = fma(float(I), s·dx, acc) per group. `pre`: the
+// panels' chunks decoded ([chunk][NV]) for a prompt block, else the codes stream from the panels.
+template <int64_t T, int MT, int NV, bool PRE>
+inline void tile_q8(const Act& a, int64_t m0, const uint8_t* panels, int64_t pb, const Decoded* pre, float* y,
+                    int64_t n0, int64_t n_rows) {
+  constexpr int H = T == Q6_K ? 2 : 1, VH = 4 / H;  // scale groups per chunk, 64 B vectors per group
+  const int64_t chunks = a.chunks, k = a.k, groups = k / kGroup<T>;
+  __m512 facc[MT][NV];
   for (int m = 0; m < MT; ++m)
-    for (int n = 0; n < NT; ++n) acc[m][n] = _mm512_setzero_ps();
-  const int64_t chunks = a.k / 32;
-  alignas(64) float own_mins[T == Q4_K ? NT : 1][T == Q4_K ? kMaxChunks : 1];
-  const int64_t step = row_bytes / a.pairs;  // ≈ bytes per pair (Q6_K: 52.5): only where to prefetch
-  __m512 sb[NT];
-  for (int n = 0; n < NT; ++n) sb[n] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < a.pairs; ++p) {
-    Pair pw[NT];
-    for (int n = 0; n < NT; ++n) {
-      if (pre) {
-        pw[n] = pre[p * NT + n];
+    for (int v = 0; v < NV; ++v) facc[m][v] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m512 sa[NV], sb[NV], mn[NV];
+    for (int v = 0; v < NV; ++v) {
+      if constexpr (PRE) {
+        sa[v] = pre[c * NV + v].sa, sb[v] = pre[c * NV + v].sb, mn[v] = pre[c * NV + v].mn;
+      } else {
+        _mm_prefetch(reinterpret_cast<const char*>(panels + v * pb + c * kRecord<T> + kAhead), _MM_HINT_T0);
+        scales<T>(panels + v * pb, c, chunks, sa[v], sb[v], mn[v]);
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      __m512i acc[MT][NV];
+      for (int m = 0; m < MT; ++m) {
+        const __m512i seed = _mm512_set1_epi32(a.corr[(m0 + m) * groups + c * H + h]);
+        for (int v = 0; v < NV; ++v) acc[m][v] = seed;
+      }
+      for (int w = h * VH; w < (h + 1) * VH; ++w) {
+        __m512i u0[NV], u1[NV];
+        for (int v = 0; v < NV; ++v) {
+          if constexpr (PRE) {
+            u0[v] = pre[c * NV + v].u[2 * w], u1[v] = pre[c * NV + v].u[2 * w + 1];
+          } else {
+            codes<T>(panels + v * pb + c * kRecord<T>, w, u0[v], u1[v]);
+          }
+        }
+        for (int m = 0; m < MT; ++m) {
+          int32_t x0, x1;
+          std::memcpy(&x0, a.q.data() + (m0 + m) * k + 32 * c + 8 * w, 4);
+          std::memcpy(&x1, a.q.data() + (m0 + m) * k + 32 * c + 8 * w + 4, 4);
+          const __m512i b0 = _mm512_set1_epi32(x0), b1 = _mm512_set1_epi32(x1);
+          for (int v = 0; v < NV; ++v) {
+            acc[m][v] = _mm512_dpbusd_epi32(acc[m][v], u0[v], b0);  // exact integers
+            acc[m][v] = _mm512_dpbusd_epi32(acc[m][v], u1[v], b1);
+          }
+        }
+      }
+      for (int m = 0; m < MT; ++m) {
+        const __m512 dx = _mm512_set1_ps(a.dx[(m0 + m) * chunks + c]);
+        for (int v = 0; v < NV; ++v)
+          facc[m][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][v]), _mm512_mul_ps(h ? sb[v] : sa[v], dx), facc[m][v]);
+      }
+    }
+    if constexpr (T == Q4_K)
+      for (int m = 0; m < MT; ++m) {
+        const __m512 cs = _mm512_set1_ps(a.csum[(m0 + m) * chunks + c]);
+        for (int v = 0; v < NV; ++v) facc[m][v] = _mm512_fnmadd_ps(mn[v], cs, facc[m][v]);
+      }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int v = 0; v < NV; ++v) {
+      const int64_t first = n0 + kPanel * v, left = n_rows - first;
+      if (left <= 0) continue;
+      const __mmask16 keep = left >= kPanel ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+      _mm512_mask_storeu_ps(y + (m0 + m) * n_rows + first, keep, facc[m][v]);
+    }
+}
+
+template <int64_t T>
+void mm_q8(const uint16_t* x, int64_t m_rows, int64_t k, const uint8_t* panels, int64_t n_rows, float* y) {
+  const Act& a = quantize_act(x, m_rows, k, kOffset<T>, kGroup<T>);
+  const int64_t pb = panel_bytes<T>(k), n_panels = (n_rows + kPanel - 1) / kPanel;
+  // a decode step (M ≤ 2) streams 4 panels at once; larger blocks decode 2 panels' chunks once for every 4-row tile
+  const bool stream = m_rows <= 2;
+  const int64_t nv = stream ? 4 : 2, tiles = (n_panels + nv - 1) / nv;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<Decoded> buf;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t p0 = t * nv, count = std::min(nv, n_panels - p0), n0 = p0 * kPanel;
+      const uint8_t* first = panels + p0 * pb;
+      auto run = [&](auto mt, auto nvc, const Decoded* pre, int64_t m0) {
+        constexpr int MT = decltype(mt)::value, NV = decltype(nvc)::value;
+        if (pre) tile_q8<T, MT, NV, true>(a, m0, first, pb, pre, y, n0, n_rows);
+        else tile_q8<T, MT, NV, false>(a, m0, first, pb, pre, y, n0, n_rows);
+      };
+      using I1 = std::integral_constant<int, 1>;
+      using I2 = std::integral_constant<int, 2>;
+      using I3 = std::integral_constant<int, 3>;
+      using I4 = std::integral_constant<int, 4>;
+      if (stream) {
+        auto rows = [&](auto nvc) { m_rows == 2 ? run(I2{}, nvc, nullptr, 0) : run(I1{}, nvc, nullptr, 0); };
+        switch (count) {
+          case 4: rows(I4{}); break;
+          case 3: rows(I3{}); break;
+          case 2: rows(I2{}); break;
+          default: rows(I1{}); break;
+        }
         continue;
       }
-      _mm_prefetch(reinterpret_cast<const char*>(w + n * row_bytes + p * step + kAhead), _MM_HINT_T0);
-      pw[n] = next_pair<T>(w + n * row_bytes, p, sb[n], own_mins[T == Q4_K ? n : 0]);
+      buf.resize(a.chunks * 2);
+      auto block = [&](auto nvc) {
+        constexpr int NV = decltype(nvc)::value;
+        for (int64_t c = 0; c < a.chunks; ++c)
+          for (int v = 0; v < NV; ++v) decode<T>(first + v * pb, c, a.chunks, buf[c * NV + v]);
+        int64_t m = 0;
+        for (; m + kTileRows <= m_rows; m += kTileRows) run(I4{}, nvc, buf.data(), m);
+        switch (m_rows - m) {
+          case 3: run(I3{}, nvc, buf.data(), m); break;
+          case 2: run(I2{}, nvc, buf.data(), m); break;
+          case 1: run(I1{}, nvc, buf.data(), m); break;
+          default: break;
+        }
+      };
+      count == 2 ? block(I2{}) : block(I1{});
     }
-    for (int m = 0; m < MT; ++m) {
-      const int64_t row = m0 + m, at = (row * a.pairs + p) * 16;
-      const __m512i xq = _mm512_loadu_si512(a.q.data() + row * a.k + 64 * p);
-      const __m512 dx = _mm512_loadu_ps(a.d.data() + at);
-      const __m512i c0 = T == Q4_K ? _mm512_setzero_si512() : _mm512_loadu_si512(a.corr.data() + at);
-      for (int n = 0; n < NT; ++n) {
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c0, pw[n].u, xq));  // exact integers
-        acc[m][n] = _mm512_fmadd_ps(dot, _mm512_mul_ps(pw[n].s, dx), acc[m][n]);
-      }
-    }
-  }
-  for (int m = 0; m < MT; ++m)
-    for (int n = 0; n < NT; ++n) {
-      float y = _mm512_reduce_add_ps(acc[m][n]);
-      if constexpr (T == Q4_K)
-        y -= dot_lanes(a.csum.data() + (m0 + m) * chunks, pre ? pre_mins + n * chunks : own_mins[n], chunks);
-      out[m * ldo + n] = y;
-    }
+  });
 }
 #else
 constexpr bool kFastQ8 = false;
 
-// Portable: per 32-value chunk, the exact integer dot of the decoded codes with the int8 activations, scaled.
-template <int64_t T, int MT, int NT>
-inline void tile_q8(const Act& a, int64_t m0, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo,
-                    const void* = nullptr, const float* = nullptr) {
-  std::vector<float> wf(a.k);
-  for (int n = 0; n < NT; ++n) {
-    decode_row(T, w + n * row_bytes, a.k, wf.data());
-    for (int m = 0; m < MT; ++m) {
-      const int64_t row = m0 + m;
-      float y = 0.f;
-      for (int64_t c = 0; c < a.k / 32; ++c) {
-        float s = 0.f;
-        for (int i = 0; i < 32; ++i) s += wf[32 * c + i] * a.q[row * a.k + 32 * c + i];
-        y += s * a.d[(row * a.pairs + c / 2) * 16 + (c % 2) * 8];
-      }
-      out[m * ldo + n] = y;
-    }
-  }
-}
-#endif
-
+// Portable: the same operations in the same order, one output at a time.
 template <int64_t T>
-void mm_q8(const uint16_t* x, int64_t m_rows, int64_t k, const uint8_t* w, int64_t n_rows, int64_t row_bytes,
-           float* y) {
-  const Act& a = quantize_act(x, m_rows, k, kOffset<T>);
-  constexpr int MT = 4;
-  by_row_blocks(n_rows, [&](int64_t n0, auto ntc) {
-    constexpr int NT = decltype(ntc)::value;
-    const uint8_t* wr = w + n0 * row_bytes;
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-    const bool prompt = m_rows > MT;  // prompt blocks: the block's weights decoded once (predecode), then every tile
-    thread_local std::vector<Pair> buf;
-    thread_local std::vector<float> mins;
-    if (prompt) {
-      buf.resize(a.pairs * NT);
-      mins.resize(T == Q4_K ? NT * k / 32 : 0);
-      predecode<T, NT>(wr, row_bytes, a.pairs, buf.data(), mins.data());
+void mm_q8(const uint16_t* x, int64_t m_rows, int64_t k, const uint8_t* panels, int64_t n_rows, float* y) {
+  const Act& a = quantize_act(x, m_rows, k, kOffset<T>, kGroup<T>);
+  const int64_t pb = panel_bytes<T>(k), chunks = a.chunks, groups = k / kGroup<T>;
+  constexpr int H = T == Q6_K ? 2 : 1;
+  at::parallel_for(0, (n_rows + kPanel - 1) / kPanel, 1, [&](int64_t begin, int64_t end) {
+    Plain P;
+    std::vector<float> acc(m_rows * kPanel);
+    for (int64_t p = begin; p < end; ++p) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t c = 0; c < chunks; ++c) {
+        plain_chunk<T>(panels + p * pb, c, chunks, P);
+        for (int64_t m = 0; m < m_rows; ++m)
+          for (int i = 0; i < kPanel; ++i) {
+            float& f = acc[m * kPanel + i];
+            for (int h = 0; h < H; ++h) {
+              int32_t dot = a.corr[m * groups + c * H + h];
+              for (int l = 32 / H * h; l < 32 / H * (h + 1); ++l) dot += P.u[l][i] * a.q[m * k + 32 * c + l];
+              const float s = (h ? P.sb[i] : P.sa[i]) * a.dx[m * chunks + c];
+              f = std::fma(static_cast<float>(dot), s, f);
+            }
+            if constexpr (T == Q4_K) f = std::fma(-P.mn[i], a.csum[m * chunks + c], f);
+          }
+      }
+      for (int64_t m = 0; m < m_rows; ++m)
+        for (int i = 0; i < kPanel && p * kPanel + i < n_rows; ++i) y[m * n_rows + p * kPanel + i] = acc[m * kPanel + i];
     }
-    const Pair* pre = prompt ? buf.data() : nullptr;
-    const float* mn = prompt ? mins.data() : nullptr;
-#else
-    const void* pre = nullptr;
-    const float* mn = nullptr;
-#endif
-    int64_t m = 0;
-    for (; m + MT <= m_rows; m += MT) tile_q8<T, MT, NT>(a, m, wr, row_bytes, y + m * n_rows + n0, n_rows, pre, mn);
-    for (; m < m_rows; ++m) tile_q8<T, 1, NT>(a, m, wr, row_bytes, y + m * n_rows + n0, n_rows, pre, mn);
   });
 }
-
+#endif
 }  // namespace
 
 // y + bias (float32), rounded once to bf16 when asked: the linear's output without a round trip through Python.
@@ -641,46 +844,67 @@ torch::Tensor finish(float* yp, int64_t m_rows, int64_t n_rows, const c10::optio
   return out;
 }
 
+// The float32 products land in the calling thread's reused buffer (a fresh one per call cost its page faults).
+float* scratch(int64_t size) {
+  thread_local std::vector<float> buffer;
+  buffer.resize(size);
+  return buffer.data();
+}
+
 // y[M, N] (float32, or bf16 with bf16_out) = x[M, K] (bf16, contiguous) · W[N, K]ᵀ (+ bias), W given as GGUF
-// blocks: uint8 [N, K/values·bytes]; with bf16 activations (mm) or rounded to int8 per 32 values (mm_q8).
-torch::Tensor product(const torch::Tensor& x, const torch::Tensor& w, int64_t type,
-                      const c10::optional<torch::Tensor>& bias, bool bf16_out, bool int8_act) {
+// blocks: uint8 [N, K/values·bytes], with bf16 activations.
+torch::Tensor gguf_mm(torch::Tensor x, torch::Tensor w, int64_t type, c10::optional<torch::Tensor> bias,
+                      bool bf16_out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "w: contiguous uint8 [N, bytes]");
   const Layout L = layout(type);
   const int64_t m_rows = x.size(0), k = x.size(1), n_rows = w.size(0);
   TORCH_CHECK(k % L.values == 0 && w.size(1) == k / L.values * L.bytes, "w's row bytes do not match K = ", k);
-  if (int8_act) {
-    TORCH_CHECK(k % 64 == 0, "the int8-activation kernels take K a multiple of 64, not ", k);
-    TORCH_CHECK(type != Q4_K || k / 32 <= kMaxChunks, "the int8-activation Q4_K kernel takes K ≤ 32768, not ", k);
-  }
-  // the float32 products land in the calling thread's reused buffer (a fresh one per call cost its page faults)
-  thread_local std::vector<float> buffer;
-  buffer.resize(m_rows * n_rows);
-  float* yp = buffer.data();
+  float* yp = scratch(m_rows * n_rows);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  auto run = [&](auto t) {
-    constexpr int64_t T = decltype(t)::value;
-    int8_act ? mm_q8<T>(xp, m_rows, k, wp, n_rows, w.size(1), yp) : mm<T>(xp, m_rows, k, wp, n_rows, w.size(1), yp);
-  };
-  switch (type) {
-    case Q8_0: run(std::integral_constant<int64_t, Q8_0>{}); break;
-    case Q5_0: run(std::integral_constant<int64_t, Q5_0>{}); break;
-    case Q4_K: run(std::integral_constant<int64_t, Q4_K>{}); break;
-    case Q6_K: run(std::integral_constant<int64_t, Q6_K>{}); break;
-  }
+  by_type(type, [&](auto t) { mm<decltype(t)::value>(xp, m_rows, k, w.data_ptr<uint8_t>(), n_rows, w.size(1), yp); });
   return finish(yp, m_rows, n_rows, bias, x.options(), bf16_out);
 }
 
-torch::Tensor gguf_mm(torch::Tensor x, torch::Tensor w, int64_t type, c10::optional<torch::Tensor> bias,
-                      bool bf16_out) {
-  return product(x, w, type, bias, bf16_out, false);
+void check_panels(const torch::Tensor& panels, int64_t type, int64_t k, int64_t n_rows) {
+  TORCH_CHECK(panels.dim() == 2 && panels.scalar_type() == torch::kUInt8 && panels.is_contiguous(),
+              "panels: contiguous uint8 [panels, bytes]");
+  TORCH_CHECK(k % 64 == 0, "the int8-activation kernels take K a multiple of 64, not ", k);
+  by_type(type, [&](auto t) {
+    TORCH_CHECK(panels.size(1) == panel_bytes<decltype(t)::value>(k) && panels.size(0) == (n_rows + kPanel - 1) / kPanel,
+                "panels of ", panels.size(1), " bytes × ", panels.size(0), " do not hold ", n_rows, " rows of K = ", k);
+  });
 }
 
-torch::Tensor gguf_mm_q8(torch::Tensor x, torch::Tensor w, int64_t type, c10::optional<torch::Tensor> bias,
-                         bool bf16_out) {
-  return product(x, w, type, bias, bf16_out, true);
+// The same with x rounded to int8 per 32 values (llama.cpp's arithmetic), W as gguf_pack_q8's panels of N rows.
+torch::Tensor gguf_mm_q8(torch::Tensor x, torch::Tensor panels, int64_t type, int64_t n_rows,
+                         c10::optional<torch::Tensor> bias, bool bf16_out) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
+  const int64_t m_rows = x.size(0), k = x.size(1);
+  check_panels(panels, type, k, n_rows);
+  float* yp = scratch(m_rows * n_rows);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  by_type(type, [&](auto t) { mm_q8<decltype(t)::value>(xp, m_rows, k, panels.data_ptr<uint8_t>(), n_rows, yp); });
+  return finish(yp, m_rows, n_rows, bias, x.options(), bf16_out);
+}
+
+// GGUF blocks [N, row bytes] → the int8 product's panels (once at load).
+torch::Tensor gguf_pack_q8(torch::Tensor w, int64_t type, int64_t k) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "w: contiguous uint8 [N, bytes]");
+  const Layout L = layout(type);
+  TORCH_CHECK(k % 64 == 0 && w.size(1) == k / L.values * L.bytes, "w's row bytes do not match K = ", k,
+              " (a multiple of 64)");
+  torch::Tensor out;
+  by_type(type, [&](auto t) { out = pack<decltype(t)::value>(w.data_ptr<uint8_t>(), w.size(0), w.size(1), k); });
+  return out;
+}
+
+// Panels → the file's weights, float32 [N, K] (as gguf_dequantize of the blocks they came from).
+torch::Tensor gguf_unpack_q8(torch::Tensor panels, int64_t type, int64_t k, int64_t n_rows) {
+  check_panels(panels, type, k, n_rows);
+  torch::Tensor out;
+  by_type(type, [&](auto t) { out = unpack<decltype(t)::value>(panels.data_ptr<uint8_t>(), n_rows, k); });
+  return out;
 }
 
 // W's rows decoded to float32 [N, K], as ggml and gguf-py decode them (the tests' reference).
@@ -814,8 +1038,13 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fast_path", [] { return kFast; }, "whether the AVX-512 BF16 kernels were compiled in");
   m.def("fast_path_q8", [] { return kFastQ8; }, "whether the AVX-512 VNNI kernels were compiled in");
-  m.def("gguf_mm_q8", &gguf_mm_q8, "as gguf_mm with x rounded to int8 per 32 values (llama.cpp's arithmetic)",
-        py::arg("x"), py::arg("w"), py::arg("type"), py::arg("bias") = py::none(), py::arg("bf16_out") = false);
+  m.def("gguf_mm_q8", &gguf_mm_q8, "as gguf_mm with x rounded to int8 per 32 values (llama.cpp's arithmetic), W as panels",
+        py::arg("x"), py::arg("panels"), py::arg("type"), py::arg("n"), py::arg("bias") = py::none(),
+        py::arg("bf16_out") = false);
+  m.def("gguf_pack_q8", &gguf_pack_q8, "GGUF blocks [N, bytes] → gguf_mm_q8's panels of 16 rows",
+        py::arg("w"), py::arg("type"), py::arg("k"));
+  m.def("gguf_unpack_q8", &gguf_unpack_q8, "panels → the file's weights, float32 [N, K]",
+        py::arg("panels"), py::arg("type"), py::arg("k"), py::arg("n"));
   m.def("gguf_mm", &gguf_mm, "x[M,K] bf16 · W[N,K]ᵀ (+ bias) with W in GGUF blocks, float32 out (or bf16)",
         py::arg("x"), py::arg("w"), py::arg("type"), py::arg("bias") = py::none(), py::arg("bf16_out") = false);
   m.def("gguf_dequantize", &gguf_dequantize, "GGUF blocks → float32 rows");

@@ -205,7 +205,7 @@ def quantize_linears(model: torch.nn.Module, weights: str, exact: dict | None = 
             continue
         if gguf:
             new = GGUFLinear(found[1], found[0], k, linear.bias, linear.weight.dtype, weights == "gguf-q8")
-            report["bytes_after"] += new.blocks.numel()
+            report["bytes_after"] += new.nbytes
         elif weights == "int4":
             new = Int4Linear(found if found is not None else int4_rtn(linear.weight), linear.bias, dtype)
             report["bytes_after"] += new.packed.numel() + new.scales_zeros.numel() * new.scales_zeros.element_size()
