@@ -56,8 +56,8 @@ def device_setting() -> Any:
 def weights_setting() -> Any:
     """The edge's linear weights."""
     return setting("gguf-q8", "The edge's linears: gguf-q8 (the GGUF's own blocks, int8 activations as llama.cpp; "
-                              "a model that is not a GGUF stays bf16), gguf (the same blocks, bf16 activations), "
-                              "bf16, int8 or int4.")
+                              "a model that is not a GGUF, or on a GPU, stays dense), gguf (the same blocks, bf16 "
+                              "activations), bf16, int8 or int4.")
 
 
 def device_map_setting() -> Any:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from edgekv import EdgeKVError
 from edgekv.models import gguf_linear as gl
 from edgekv.models import quantized as qz
 from tests.helpers import SYSTEM, USERS, byte_tokenizer, save_model, tiny_qwen2
@@ -97,7 +98,7 @@ def test_the_int8_activation_product_is_the_files_weights_times_int8_rows(kernel
     rows = torch.from_numpy(raw.copy())
     w = kernels.gguf_dequantize(rows, BLOCK_TYPES[name], k).double()
     panels = kernels.gguf_pack_q8(rows, BLOCK_TYPES[name], k)
-    assert panels.shape[0] == 3 and abs(panels.shape[1] / 16 / raw.shape[1] - 1) < 0.03  # a row: the file's bytes (Q4_K +2.8 %)
+    assert panels.shape[0] == 3 and abs(panels.shape[1] / 16 / raw.shape[1] - 1) < 0.03  # the file's bytes (Q4_K +2.8%)
     unpacked = kernels.gguf_unpack_q8(panels, BLOCK_TYPES[name], k, n).numpy()
     assert np.array_equal(unpacked, gguf.quants.dequantize(raw, BLOCK_TYPES[name]).reshape(n, k).astype(np.float32))
     x = torch.randn(9, k).bfloat16()
@@ -182,6 +183,21 @@ def test_a_model_that_is_not_a_gguf_and_a_machine_without_kernels_fall_back_in_o
         assert len(caplog.records) == 1 and "switched off" in caplog.text
     finally:
         gl.kernels.cache_clear()
+
+
+def test_the_default_gguf_weights_on_a_gpu_keep_dense_linears_in_one_line(caplog):
+    """A model on another device than the CPU (here torch's meta device, as a GPU would be): the gguf weights, the
+    default, keep the dense linears with one log line instead of refusing every `--device cuda` command (the GPU
+    smoke test found that); torch's CPU int8/int4 asked for explicitly still refuse in one line."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 32)).to(torch.bfloat16).to("meta")
+    for weights in ("gguf-q8", "gguf"):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="edgekv"):
+            assert qz.quantize_linears(model, weights, {"0": (8, torch.zeros(32, 68, dtype=torch.uint8))})["kept"] \
+                == ["0", "1"]
+        assert len(caplog.records) == 1 and "on meta the linears stay dense" in caplog.text
+    with pytest.raises(EdgeKVError, match="uses CPU kernels"):
+        qz.quantize_linears(model, "int4")
 
 
 def _quantize_tiny(edge, kinds: tuple[str, ...] = ("Q8_0", "Q5_0")) -> dict:

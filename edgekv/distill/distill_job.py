@@ -256,7 +256,8 @@ def student_export(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, 
     queries = same_model_layers(edge, ids, 0, cfg.window, cfg.seed, shared=shared)  # the edge's queries score ThinK
     tensors, entries = {}, []
     for layer, (k, v) in zip(queries, student.kv()):
-        layer.keys, layer.values = k.to(edge.model.dtype), v.to(edge.model.dtype)
+        # the student lives on the model's device, the captured queries on the CPU (where exports are encoded)
+        layer.keys, layer.values = k.detach().to("cpu", edge.model.dtype), v.detach().to("cpu", edge.model.dtype)
         t, e, _ = encode_layer(layer, cfg.prune_ratio, cfg.quant, 0)
         tensors[layer.edge_layer] = t
         entries.append(e)

@@ -178,11 +178,17 @@ def quantize_linears(model: torch.nn.Module, weights: str, exact: dict | None = 
               "bytes_after": 0}
     if weights == "bf16":
         return report
-    if model_device(model).type != "cpu":
-        raise EdgeKVError(f"--weights {weights} uses CPU kernels: run it with --device cpu")
-    exact = exact or {}
     targets = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     gguf = weights in GGUF_WEIGHTS
+    device = model_device(model).type
+    if gguf and device != "cpu":  # the default: a GPU user gets the GGUF's numbers as dense linears, not an error
+        log.warning("--weights %s computes with CPU kernels: on %s the linears stay dense (the GGUF dequantized)",
+                    weights, device)
+        report["kept"] = targets
+        return report
+    if device != "cpu":
+        raise EdgeKVError(f"--weights {weights} uses CPU kernels: run it with --device cpu")
+    exact = exact or {}
     if gguf:
         if not exact:
             log.warning("--weights %s: the model is not a GGUF, so there are no blocks: the linears stay dense",
