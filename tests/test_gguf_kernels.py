@@ -113,6 +113,7 @@ def test_the_int8_activation_product_is_the_files_weights_times_int8_rows(kernel
     for m in (1, 2, 3, 4, 5):
         assert torch.equal(kernels.gguf_mm_q8(x[:m].contiguous(), panels, BLOCK_TYPES[name], n), got[:m].float())
     assert torch.equal(kernels.gguf_mm_q8(x[6:8].contiguous(), panels, BLOCK_TYPES[name], n), got[6:8].float())
+    assert kernels.gguf_mm_q8(x[:0].contiguous(), panels, BLOCK_TYPES[name], n).shape == (0, n)  # no rows
     lin = gl.GGUFLinear(rows, BLOCK_TYPES[name], k, torch.randn(n), torch.bfloat16, int8_activations=True)
     assert torch.equal(lin(x), (got.float() + lin.bias).bfloat16())  # the bias in float32, one rounding
     assert torch.equal(lin.weight_float(), w.float())

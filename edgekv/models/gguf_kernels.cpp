@@ -722,6 +722,7 @@ inline void tile_q8(const Act& a, int64_t m0, const uint8_t* panels, int64_t pb,
 
 template <int64_t T>
 void mm_q8(const uint16_t* x, int64_t m_rows, int64_t k, const uint8_t* panels, int64_t n_rows, float* y) {
+  if (m_rows == 0) return;  // the streaming tile below always takes at least one row
   const Act& a = quantize_act(x, m_rows, k, kOffset<T>, kGroup<T>);
   const int64_t pb = panel_bytes<T>(k), n_panels = (n_rows + kPanel - 1) / kPanel;
   // a decode step (M ≤ 2) streams 4 panels at once; larger blocks decode 2 panels' chunks once for every 4-row tile
