@@ -126,10 +126,15 @@ class GGUFLinear(torch.nn.Module):
         super().__init__()
         if not _holds(blocks, ggml_type, in_features, int8_activations):
             raise ValueError(f"{BLOCKS[ggml_type][0]} rows of {blocks.shape[1]} bytes do not hold {in_features} values")
-        self.ggml_type, self.in_features, self.out_features, self.dtype = ggml_type, in_features, blocks.shape[0], dtype
-        self.int8_activations = int8_activations
         # gguf-q8 keeps only its panels (the file's bytes rearranged for the VNNI product, packed once here)
         weights = kernels().gguf_pack_q8(blocks.contiguous(), ggml_type, in_features) if int8_activations else blocks
+        self._hold(weights, ggml_type, in_features, blocks.shape[0], bias, dtype, int8_activations)
+
+    def _hold(self, weights: torch.Tensor, ggml_type: int, in_features: int, out_features: int,
+              bias: torch.Tensor | None, dtype: torch.dtype, int8_activations: bool) -> None:
+        """The layer's fields and buffers, `weights` as its arithmetic reads them (blocks, or gguf-q8's panels)."""
+        self.ggml_type, self.in_features, self.out_features, self.dtype = ggml_type, in_features, out_features, dtype
+        self.int8_activations = int8_activations
         self.register_buffer("blocks", weights.contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float())
 
@@ -144,12 +149,11 @@ class GGUFLinear(torch.nn.Module):
             return None
         if first.int8_activations and any(m.out_features % PANEL for m in parts[:-1]):
             return None
-        out = cls.__new__(cls)
+        out = cls.__new__(cls)  # the parts' weights are already as the arithmetic reads them: no validation, no pack
         torch.nn.Module.__init__(out)
-        out.ggml_type, out.in_features, out.dtype = first.ggml_type, first.in_features, first.dtype
-        out.int8_activations, out.out_features = first.int8_activations, sum(m.out_features for m in parts)
-        out.register_buffer("blocks", torch.cat([m.blocks for m in parts]))
-        out.register_buffer("bias", None if first.bias is None else torch.cat([m.bias for m in parts]))
+        bias = None if first.bias is None else torch.cat([m.bias for m in parts])
+        out._hold(torch.cat([m.blocks for m in parts]), first.ggml_type, first.in_features,
+                  sum(m.out_features for m in parts), bias, first.dtype, first.int8_activations)
         with torch.no_grad():
             x = torch.randn(1, out.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
             if not torch.equal(out(x), torch.cat([m(x) for m in parts], -1)):
