@@ -350,6 +350,16 @@ constexpr int kGroup = T == Q6_K ? 16 : 32;  // values per weight scale
 template <int64_t T>
 inline int64_t panel_bytes(int64_t k) { return k / 32 * kRecord<T> + k / 256 * kSuper<T>; }
 
+// Byte offsets inside a chunk record (the layout above), named once for pack, plain_chunk, codes and scales.
+constexpr int kBit4 = 256;      // Q5_0, Q6_K: bit 4 of the codes, 8 B per group of 4 values (vector v: 16v, 16v + 8)
+constexpr int kBit5 = 320;      // Q6_K: bit 5, the same layout
+constexpr int kSubScale = 256;  // Q4_K: each row's 6-bit sc
+constexpr int kSubMin = 272;    // Q4_K: each row's 6-bit m
+constexpr int kScaleLo = 384;   // Q6_K: each row's int8 sc of values 0–15
+constexpr int kScaleHi = 400;   // Q6_K: of values 16–31
+template <int64_t T>
+constexpr int64_t kChunkScale = kRecord<T> - 32;  // Q8_0, Q5_0: each row's fp16 d, at the record's end
+
 template <typename F>
 void by_type(int64_t type, const F& f) {
   switch (type) {
@@ -442,15 +452,15 @@ torch::Tensor pack(const uint8_t* w, int64_t n_rows, int64_t row_bytes, int64_t 
                 rec[64 * q + at] = code;
               } else {
                 rec[64 * (q / 2) + at] |= static_cast<uint8_t>((code & 0x0F) << (4 * (q % 2)));
-                if constexpr (T == Q5_0 || T == Q6_K) rec[256 + 8 * q + at / 8] |= ((code >> 4) & 1) << (at % 8);
-                if constexpr (T == Q6_K) rec[320 + 8 * q + at / 8] |= ((code >> 5) & 1) << (at % 8);
+                if constexpr (T == Q5_0 || T == Q6_K) rec[kBit4 + 8 * q + at / 8] |= ((code >> 4) & 1) << (at % 8);
+                if constexpr (T == Q6_K) rec[kBit5 + 8 * q + at / 8] |= ((code >> 5) & 1) << (at % 8);
               }
             }
-          if constexpr (T == Q8_0 || T == Q5_0) std::memcpy(rec + kRecord<T> - 32 + 2 * i, &r.d[c], 2);
-          if constexpr (T == Q4_K) rec[256 + i] = static_cast<uint8_t>(r.sc[c]), rec[272 + i] = static_cast<uint8_t>(r.m[c]);
+          if constexpr (T == Q8_0 || T == Q5_0) std::memcpy(rec + kChunkScale<T> + 2 * i, &r.d[c], 2);
+          if constexpr (T == Q4_K) rec[kSubScale + i] = static_cast<uint8_t>(r.sc[c]), rec[kSubMin + i] = static_cast<uint8_t>(r.m[c]);
           if constexpr (T == Q6_K) {
-            rec[384 + i] = static_cast<uint8_t>(r.sc[2 * c]);
-            rec[400 + i] = static_cast<uint8_t>(r.sc[2 * c + 1]);
+            rec[kScaleLo + i] = static_cast<uint8_t>(r.sc[2 * c]);
+            rec[kScaleHi + i] = static_cast<uint8_t>(r.sc[2 * c + 1]);
           }
         }
         for (int64_t s = 0; s < k / 256 && kSuper<T> > 0; ++s) {
@@ -480,8 +490,8 @@ void plain_chunk(const uint8_t* panel, int64_t c, int64_t chunks, Plain& P) {
         code = rec[64 * q + at];
       } else {
         code = (rec[64 * (q / 2) + at] >> (4 * (q % 2))) & 0x0F;
-        if constexpr (T == Q5_0 || T == Q6_K) code |= ((rec[256 + 8 * q + at / 8] >> (at % 8)) & 1) << 4;
-        if constexpr (T == Q6_K) code |= ((rec[320 + 8 * q + at / 8] >> (at % 8)) & 1) << 5;
+        if constexpr (T == Q5_0 || T == Q6_K) code |= ((rec[kBit4 + 8 * q + at / 8] >> (at % 8)) & 1) << 4;
+        if constexpr (T == Q6_K) code |= ((rec[kBit5 + 8 * q + at / 8] >> (at % 8)) & 1) << 5;
       }
       P.u[4 * q + at % 4][at / 4] = static_cast<uint8_t>(code);
     }
@@ -489,13 +499,13 @@ void plain_chunk(const uint8_t* panel, int64_t c, int64_t chunks, Plain& P) {
   for (int i = 0; i < kPanel; ++i) {
     P.sb[i] = P.mn[i] = 0.f;
     if constexpr (T == Q8_0 || T == Q5_0) {
-      P.sa[i] = fp16(rec + kRecord<T> - 32 + 2 * i);
+      P.sa[i] = fp16(rec + kChunkScale<T> + 2 * i);
     } else if constexpr (T == Q4_K) {
-      P.sa[i] = fp16(sb + 2 * i) * static_cast<float>(rec[256 + i]);
-      P.mn[i] = fp16(sb + 32 + 2 * i) * static_cast<float>(rec[272 + i]);
+      P.sa[i] = fp16(sb + 2 * i) * static_cast<float>(rec[kSubScale + i]);
+      P.mn[i] = fp16(sb + 32 + 2 * i) * static_cast<float>(rec[kSubMin + i]);
     } else {
-      P.sa[i] = fp16(sb + 2 * i) * static_cast<float>(static_cast<int8_t>(rec[384 + i]));
-      P.sb[i] = fp16(sb + 2 * i) * static_cast<float>(static_cast<int8_t>(rec[400 + i]));
+      P.sa[i] = fp16(sb + 2 * i) * static_cast<float>(static_cast<int8_t>(rec[kScaleLo + i]));
+      P.sb[i] = fp16(sb + 2 * i) * static_cast<float>(static_cast<int8_t>(rec[kScaleHi + i]));
     }
   }
 }
@@ -522,7 +532,7 @@ torch::Tensor unpack(const uint8_t* panels, int64_t n_rows, int64_t k) {
 }
 
 struct Act {
-  int64_t m_rows, k, chunks;
+  int64_t k, chunks;
   std::vector<int8_t> q;       // [M, K] codes
   std::vector<float> dx;       // [M, K/32] scales
   std::vector<float> csum;     // [M, K/32] each chunk's codes summed, times its scale (Q4_K's min term)
@@ -536,7 +546,7 @@ inline float bf16f(uint16_t h) { uint32_t u = static_cast<uint32_t>(h) << 16; fl
 const Act& quantize_act(const uint16_t* x, int64_t m_rows, int64_t k, int offset, int group) {
   thread_local Act buffers;
   Act& a = buffers;  // a plain reference: inside the parallel loop below, `buffers` would name each worker's own
-  a.m_rows = m_rows, a.k = k, a.chunks = k / 32;
+  a.k = k, a.chunks = k / 32;
   a.q.resize(m_rows * k);
   a.dx.resize(m_rows * a.chunks);
   a.csum.resize(m_rows * a.chunks);
@@ -617,13 +627,13 @@ inline void codes(const uint8_t* rec, int v, __m512i& u0, __m512i& u1) {
     u1 = _mm512_and_si512(_mm512_srli_epi16(nib, 4), m4);
     if constexpr (T == Q5_0 || T == Q6_K) {
       const __m512i b4 = _mm512_set1_epi8(16);
-      u0 = _mm512_mask_add_epi8(u0, mask_at(rec + 256 + 16 * v), u0, b4);
-      u1 = _mm512_mask_add_epi8(u1, mask_at(rec + 264 + 16 * v), u1, b4);
+      u0 = _mm512_mask_add_epi8(u0, mask_at(rec + kBit4 + 16 * v), u0, b4);
+      u1 = _mm512_mask_add_epi8(u1, mask_at(rec + kBit4 + 16 * v + 8), u1, b4);
     }
     if constexpr (T == Q6_K) {
       const __m512i b5 = _mm512_set1_epi8(32);
-      u0 = _mm512_mask_add_epi8(u0, mask_at(rec + 320 + 16 * v), u0, b5);
-      u1 = _mm512_mask_add_epi8(u1, mask_at(rec + 328 + 16 * v), u1, b5);
+      u0 = _mm512_mask_add_epi8(u0, mask_at(rec + kBit5 + 16 * v), u0, b5);
+      u1 = _mm512_mask_add_epi8(u1, mask_at(rec + kBit5 + 16 * v + 8), u1, b5);
     }
   }
 }
@@ -634,14 +644,14 @@ inline void scales(const uint8_t* panel, int64_t c, int64_t chunks, __m512& sa, 
   const uint8_t* rec = panel + c * kRecord<T>;
   const uint8_t* super = panel + chunks * kRecord<T> + (c / 8) * kSuper<T>;
   if constexpr (T == Q8_0 || T == Q5_0) {
-    sa = scale_row(rec + kRecord<T> - 32);
+    sa = scale_row(rec + kChunkScale<T>);
   } else if constexpr (T == Q4_K) {
-    sa = _mm512_mul_ps(scale_row(super), u8_floats(rec + 256));  // exact: 11 + 6 bits
-    mn = _mm512_mul_ps(scale_row(super + 32), u8_floats(rec + 272));
+    sa = _mm512_mul_ps(scale_row(super), u8_floats(rec + kSubScale));  // exact: 11 + 6 bits
+    mn = _mm512_mul_ps(scale_row(super + 32), u8_floats(rec + kSubMin));
   } else {
     const __m512 d = scale_row(super);
-    sa = _mm512_mul_ps(d, i8_floats(rec + 384));  // exact: 11 + 8 bits
-    sb = _mm512_mul_ps(d, i8_floats(rec + 400));
+    sa = _mm512_mul_ps(d, i8_floats(rec + kScaleLo));  // exact: 11 + 8 bits
+    sb = _mm512_mul_ps(d, i8_floats(rec + kScaleHi));
   }
 }
 
@@ -1037,6 +1047,7 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("panel_rows") = kPanel;
   m.def("fast_path", [] { return kFast; }, "whether the AVX-512 BF16 kernels were compiled in");
   m.def("fast_path_q8", [] { return kFastQ8; }, "whether the AVX-512 VNNI kernels were compiled in");
   m.def("gguf_mm_q8", &gguf_mm_q8, "as gguf_mm with x rounded to int8 per 32 values (llama.cpp's arithmetic), W as panels",

@@ -35,7 +35,6 @@ import torch
 log = logging.getLogger("edgekv")
 SOURCE = Path(__file__).with_name("gguf_kernels.cpp")
 BLOCKS = {8: ("Q8_0", 32, 34), 6: ("Q5_0", 32, 22), 12: ("Q4_K", 256, 144), 14: ("Q6_K", 256, 210)}  # ggml ids
-PANEL = 16  # gguf-q8 packs rows 16 at a time (gguf_kernels.cpp: kPanel)
 GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
               "ffn_down": "mlp.down_proj"}
@@ -147,7 +146,7 @@ class GGUFLinear(torch.nn.Module):
         first = parts[0]
         if len({(m.ggml_type, m.in_features, m.int8_activations, m.dtype, m.bias is None) for m in parts}) != 1:
             return None
-        if first.int8_activations and any(m.out_features % PANEL for m in parts[:-1]):
+        if first.int8_activations and any(m.out_features % kernels().panel_rows for m in parts[:-1]):
             return None
         out = cls.__new__(cls)  # the parts' weights are already as the arithmetic reads them: no validation, no pack
         torch.nn.Module.__init__(out)
