@@ -359,6 +359,7 @@ constexpr int kScaleLo = 384;   // Q6_K: each row's int8 sc of values 0–15
 constexpr int kScaleHi = 400;   // Q6_K: of values 16–31
 template <int64_t T>
 constexpr int64_t kChunkScale = kRecord<T> - 32;  // Q8_0, Q5_0: each row's fp16 d, at the record's end
+constexpr int kSuperMin = 32;  // Q4_K's super-block record: each row's fp16 dmin, after its 16 fp16 d
 
 template <typename F>
 void by_type(int64_t type, const F& f) {
@@ -466,7 +467,7 @@ torch::Tensor pack(const uint8_t* w, int64_t n_rows, int64_t row_bytes, int64_t 
         for (int64_t s = 0; s < k / 256 && kSuper<T> > 0; ++s) {
           uint8_t* sb = panel + chunks * kRecord<T> + s * kSuper<T>;
           std::memcpy(sb + 2 * i, &r.d[s], 2);
-          if constexpr (T == Q4_K) std::memcpy(sb + 32 + 2 * i, &r.dmin[s], 2);
+          if constexpr (T == Q4_K) std::memcpy(sb + kSuperMin + 2 * i, &r.dmin[s], 2);
         }
       }
   });
@@ -502,7 +503,7 @@ void plain_chunk(const uint8_t* panel, int64_t c, int64_t chunks, Plain& P) {
       P.sa[i] = fp16(rec + kChunkScale<T> + 2 * i);
     } else if constexpr (T == Q4_K) {
       P.sa[i] = fp16(sb + 2 * i) * static_cast<float>(rec[kSubScale + i]);
-      P.mn[i] = fp16(sb + 32 + 2 * i) * static_cast<float>(rec[kSubMin + i]);
+      P.mn[i] = fp16(sb + kSuperMin + 2 * i) * static_cast<float>(rec[kSubMin + i]);
     } else {
       P.sa[i] = fp16(sb + 2 * i) * static_cast<float>(static_cast<int8_t>(rec[kScaleLo + i]));
       P.sb[i] = fp16(sb + 2 * i) * static_cast<float>(static_cast<int8_t>(rec[kScaleHi + i]));
@@ -647,7 +648,7 @@ inline void scales(const uint8_t* panel, int64_t c, int64_t chunks, __m512& sa, 
     sa = scale_row(rec + kChunkScale<T>);
   } else if constexpr (T == Q4_K) {
     sa = _mm512_mul_ps(scale_row(super), u8_floats(rec + kSubScale));  // exact: 11 + 6 bits
-    mn = _mm512_mul_ps(scale_row(super + 32), u8_floats(rec + kSubMin));
+    mn = _mm512_mul_ps(scale_row(super + kSuperMin), u8_floats(rec + kSubMin));
   } else {
     const __m512 d = scale_row(super);
     sa = _mm512_mul_ps(d, i8_floats(rec + kScaleLo));  // exact: 11 + 8 bits
