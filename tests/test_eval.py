@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import statistics
 
 import pytest
@@ -146,6 +147,18 @@ def test_resumption_refuses_rows_made_with_other_settings(evaluated, tiny_models
     with pytest.raises(EdgeKVError, match=r"made with other settings \(max_new_tokens\)"):
         run_eval(_cfg(tiny_models, data, align_dir, out, max_new_tokens=5))
     assert (out / "results.jsonl").read_text() == before
+
+
+def test_strategies_help_names_every_registered_strategy():
+    """`edgekv eval --help` lists what the registry holds (it went stale once: the issue-37 strategies were missing)."""
+    from dataclasses import fields
+
+    from edgekv.eval.strategies.base import STRATEGIES
+
+    help_text = next(f for f in fields(EvalConfig) if f.name == "strategies").metadata["help"]
+    named = set(re.findall(r"[a-z][a-z0-9-]*[a-z0-9]", help_text))
+    missing = [b for b in STRATEGIES if b not in named]
+    assert not missing, f"--strategies help misses {missing}"
 
 
 def test_metrics_by_hand():
