@@ -83,6 +83,9 @@ def reference_nll(model, prefix: PrefixKV, tok, req) -> float:
 
 def run_prompt(req, cloud, edge, out: Path, done: set, only: set | None, progress=None) -> list[dict]:
     """Every setting not yet in `done` on one tuning prompt; returns the new rows."""
+    todo = [n for n in SETTINGS if (req.id, n) not in done and (not only or n in only)]
+    if not todo:  # nothing to train: no teacher (its synthetic set may be gone with the work directory)
+        return []
     tok = edge.tokenizer
     ids = torch.tensor(tok(req.system, add_special_tokens=True)["input_ids"])
     work = out / "work" / f"{req.dataset}-{req.id}"
@@ -95,9 +98,8 @@ def run_prompt(req, cloud, edge, out: Path, done: set, only: set | None, progres
     pool, meta = synthetic_set(base, cloud, edge, student0, ids, work / "teacher", Tasks(progress))
     held, pool = pool[-HELD:], pool[:-HELD]
     rows = []
-    for name, change in SETTINGS.items():
-        if (req.id, name) in done or (only and name not in only):
-            continue
+    for name in todo:
+        change = SETTINGS[name]
         cfg = replace(base, **{**BASE, **change})
         train = pool[:cfg.queries]
         if cfg.on_policy:  # the same queries, half of them answered by the student and scored by the teacher
