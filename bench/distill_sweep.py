@@ -3,6 +3,10 @@ for each setting, one factor at a time around a base, paired over prompts.
 
     python -m bench.distill_sweep [--xsum 12] [--sharegpt 12] [--out reports/distill-sweep] [--only NAME,...]
     python -m bench.distill_sweep --report-only      # summary.json and loss_curves.png from rows.jsonl
+    python -m bench.distill_sweep --shard 0/2 & python -m bench.distill_sweep --shard 1/2   # two workers, one each
+
+Workers started with `--shard I/N` take every N-th prompt of the order from the I-th on, and append their rows and
+rewrite the summary under one lock, so N one-thread workers share a sweep on an N-core machine.
 
 Tuning prompts: XSum records 107.. (the eval samples records 0..106) and ShareGPT conversations from record 8,000
 (the eval scans 5,000..7,999); each request's user prompt and reference are used only to score, never as a seed.
@@ -26,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from edgekv.atomic import write_text_atomic
+from edgekv.atomic import exclusive, write_text_atomic
 from edgekv.attention.prefix_kv import PrefixKV, continuation_nll
 from edgekv.distill.distill_job import DistillConfig
 from edgekv.distill.student import initial_student, train_student
@@ -121,7 +125,7 @@ def run_prompt(req, cloud, edge, out: Path, done: set, only: set | None, progres
                      "initial_held_out_kl": log[0].get("held_out_kl") if log else None, "train_s": train_s,
                      "nll": nll, **{f"nll_{k}": v for k, v in anchors.items()},
                      "teacher_s": meta.get("teach_s"), "log": log})
-        with open(out / "rows.jsonl", "a", encoding="utf-8") as f:
+        with exclusive(out / ".rows.lock"), open(out / "rows.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(rows[-1]) + "\n")
         print(f"{req.dataset}-{req.id} {name}: KL {rows[-1]['initial_held_out_kl']:.3f} → {best['kl']:.3f}, "
               f"NLL {nll:.3f} (EdgePrompt {anchors['edgeprompt']:.3f}, cloud {anchors['cloud']:.3f}), "
@@ -176,6 +180,17 @@ def _plots(rows: list[dict], out: Path) -> None:
     plt.close(fig)
 
 
+def parse_shard(text: str) -> tuple[int, int]:
+    """`I/N` → (I, N) with 0 ≤ I < N; anything else is a one-line error."""
+    try:
+        shard, shards = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise SystemExit(f"error: --shard {text!r}: expected I/N, e.g. 0/2") from None
+    if not 0 <= shard < shards:
+        raise SystemExit(f"error: --shard {text!r}: need 0 ≤ I < N")
+    return shard, shards
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--xsum", type=int, default=12)
@@ -183,7 +198,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "reports/distill-sweep")
     ap.add_argument("--only", default=None, help="comma-separated settings")
     ap.add_argument("--report-only", action="store_true")
+    ap.add_argument("--shard", default="0/1", help="I/N: this worker takes prompts I, I+N, I+2N, … of the order")
     args = ap.parse_args()
+    shard, shards = parse_shard(args.shard)
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
         cloud, edge = load_model("default-cloud", "bfloat16"), load_model("default-edge", "bfloat16")
@@ -196,10 +213,12 @@ def main() -> None:
         xs, sg = requests[:args.xsum], requests[args.xsum:]
         m = min(len(xs), len(sg))  # alternate the sources, so a partial sweep has both; then the longer's rest
         order = [r for pair in zip(xs, sg) for r in pair] + xs[m:] + sg[m:]
-        for req in order:
-            run_prompt(req, cloud, edge, args.out, done, only)
-            summarise(args.out)
-    summary = summarise(args.out)
+        for req in order[shard::shards]:
+            if run_prompt(req, cloud, edge, args.out, done, only):
+                with exclusive(args.out / ".rows.lock"):
+                    summarise(args.out)
+    with exclusive(args.out / ".rows.lock"):
+        summary = summarise(args.out)
     print(json.dumps({ds: {k: (v["gap_closed"]["fraction"], v["delta_vs_edgeprompt"]["delta_mean"])
                            for k, v in s.items()}
                       for ds, s in summary["settings"].items()}, indent=1))

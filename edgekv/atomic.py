@@ -43,6 +43,19 @@ def staged_dir(target: str | Path) -> Iterator[Path]:
         raise
 
 
+@contextmanager
+def exclusive(lock_path: str | Path) -> Iterator[None]:
+    """Hold an exclusive lock (`fcntl.flock` on `lock_path`) shared by every process of the machine."""
+    import fcntl
+
+    with open(lock_path, "a+b") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:
     """Write a file via a temp file in the same directory and an atomic rename."""
     path = Path(path)

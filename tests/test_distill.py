@@ -344,3 +344,16 @@ def test_first_token_freeze_keeps_its_kv_bit_equal(pair, tmp_path):
     student, _ = initial_student(edge, ids, ids.numel(), "all", freeze_first=1)
     for i, (k, v) in enumerate(own):
         assert all(torch.equal(a, b) for a, b in zip(student.prefix().layer(i), (k, v)))
+
+
+@pytest.mark.parametrize("bad", ["2/2", "1", "a/b", "-1/2"])
+def test_sweep_shard_bad_input_is_one_line(bad):
+    """`bench.distill_sweep --shard` takes I/N with 0 ≤ I < N; anything else is a one-line error, exit ≠ 0."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "bench.distill_sweep", "--report-only", f"--shard={bad}"],
+                          capture_output=True, text=True)
+    assert done.returncode != 0
+    assert done.stderr.strip().startswith("error: --shard") and "\n" not in done.stderr.strip()
+

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from edgekv import EdgeKVError
+from edgekv.atomic import exclusive
 from edgekv.kv.export import MANIFEST, KVExport, KVStoreError
 from edgekv.texts import jsonl_records
 
@@ -139,15 +140,9 @@ class Catalog:
             if not self.local:
                 yield
                 return
-            import fcntl
-
             self.fs.makedirs(self.root, exist_ok=True)
-            with open(self._path(LOCK), "a+b") as f:
-                fcntl.flock(f, fcntl.LOCK_EX)
-                try:
-                    yield
-                finally:
-                    fcntl.flock(f, fcntl.LOCK_UN)
+            with exclusive(self._path(LOCK)):
+                yield
 
     def add_to_index(self, rows: list[dict]) -> None:
         """List entries in the index (a key listed again takes its new row), under the index lock."""
