@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 HELD = 16  # held-out exchanges per prompt (the issue asks for ≥ 16 fresh sequences)
 POOL = 128  # the largest N
 REFERENCE_TOKENS = 64
+LOCK = ".rows.lock"  # beside rows.jsonl: its appends and the summary rewrites, one worker at a time
 BASE = dict(queries=64, lr=1e-2, freeze_first=1, on_policy=0.0, query_loss=False)
 # one factor at a time around BASE (name → changes)
 SETTINGS = {  # in the order they run on each prompt: the data questions first
@@ -125,7 +126,7 @@ def run_prompt(req, cloud, edge, out: Path, done: set, only: set | None, progres
                      "initial_held_out_kl": log[0].get("held_out_kl") if log else None, "train_s": train_s,
                      "nll": nll, **{f"nll_{k}": v for k, v in anchors.items()},
                      "teacher_s": meta.get("teach_s"), "log": log})
-        with exclusive(out / ".rows.lock"), open(out / "rows.jsonl", "a", encoding="utf-8") as f:
+        with exclusive(out / LOCK), open(out / "rows.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(rows[-1]) + "\n")
         print(f"{req.dataset}-{req.id} {name}: KL {rows[-1]['initial_held_out_kl']:.3f} → {best['kl']:.3f}, "
               f"NLL {nll:.3f} (EdgePrompt {anchors['edgeprompt']:.3f}, cloud {anchors['cloud']:.3f}), "
@@ -215,9 +216,9 @@ def main() -> None:
         order = [r for pair in zip(xs, sg) for r in pair] + xs[m:] + sg[m:]
         for req in order[shard::shards]:
             if run_prompt(req, cloud, edge, args.out, done, only):
-                with exclusive(args.out / ".rows.lock"):
+                with exclusive(args.out / LOCK):
                     summarise(args.out)
-    with exclusive(args.out / ".rows.lock"):
+    with exclusive(args.out / LOCK):
         summary = summarise(args.out)
     print(json.dumps({ds: {k: (v["gap_closed"]["fraction"], v["delta_vs_edgeprompt"]["delta_mean"])
                            for k, v in s.items()}

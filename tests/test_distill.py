@@ -356,4 +356,3 @@ def test_sweep_shard_bad_input_is_one_line(bad):
                           capture_output=True, text=True)
     assert done.returncode != 0
     assert done.stderr.strip().startswith("error: --shard") and "\n" not in done.stderr.strip()
-
