@@ -462,6 +462,13 @@ def test_distilled_strategies_run_and_truncate_is_edgeprompt_of_the_head(tiny_mo
     assert costs["xsum/edgeprompt-truncate-c4"]["best_step_median"] == 0
     assert costs["xsum/ce-lslm-distill"]["train_s_median"] > 0
     assert (tmp_path / "report" / "loss_curves" / "xsum_ce-lslm-distill-c4.png").exists()
+    # the recipe file changed under the same path: its rows are not resumed
+    before = (out / "results.jsonl").read_text()
+    distill.write_text(distill.read_text().replace("steps: 2", "steps: 5"))
+    with pytest.raises(EdgeKVError, match=r"made with other settings \(distill_recipe\)"):
+        run_eval(_cfg(tiny_models, data, align_dir, out, strategies=strategies, datasets=["xsum"],
+                      distill_config=str(distill)))
+    assert (out / "results.jsonl").read_text() == before
 
 
 def test_distill_summary_pairs_and_gap_closed():

@@ -25,13 +25,12 @@ from pathlib import Path
 
 from edgekv import EdgeKVError
 from edgekv.atomic import write_text_atomic
-from edgekv.config import to_dict
 from edgekv.eval.artefacts import Artefacts
 from edgekv.eval.datasets import Request
 from edgekv.eval.eval_config import EvalConfig, eval_requests
 from edgekv.eval.load_runs import load_curves, reusable_load
 from edgekv.eval.report import write_report
-from edgekv.eval.runs import canonical, check_resumable, in_shard, merge_runs, read_results
+from edgekv.eval.runs import canonical, check_resumable, in_shard, merge_runs, read_results, run_settings
 from edgekv.eval.scoring import Scorer, answer_row
 from edgekv.models.loading import load_pair
 from edgekv.models.structure import check_context
@@ -95,7 +94,7 @@ def run_eval(cfg: EvalConfig, progress=None, models=None) -> dict:
     if (out / "results.jsonl").exists():
         check_resumable(out, cfg)
     earlier_load = reusable_load(out, cfg)
-    write_text_atomic(out / "config.json", json.dumps(to_dict(cfg), indent=1))
+    write_text_atomic(out / "config.json", json.dumps(run_settings(cfg), indent=1))
     tasks = Tasks(progress)
     artefacts, scorer = Artefacts(cfg, out, tasks, models), Scorer(cfg.bertscore)
     requests = {d: eval_requests(cfg, d, artefacts.edge.tokenizer) for d in cfg.datasets}
@@ -121,5 +120,5 @@ def run_eval(cfg: EvalConfig, progress=None, models=None) -> dict:
     rows = canonical([r for r in rows if (r["dataset"], r["id"]) in order and r["strategy"] in cfg.strategies],
                      order, cfg.strategies)
     load = load_curves(artefacts, requests[cfg.load_dataset], tasks, earlier_load) if cfg.load_rates else []
-    return write_report(out, rows, to_dict(cfg), scorer.name, {"cloud": artefacts.cloud.spec,
+    return write_report(out, rows, run_settings(cfg), scorer.name, {"cloud": artefacts.cloud.spec,
                                                                "edge": artefacts.edge.spec}, load)

@@ -35,7 +35,7 @@ from edgekv.eval.network import (
     profile_dict,
 )
 from edgekv.eval.quality_per_byte import qpb_table, quality_per_byte
-from edgekv.eval.runs import read_results, rewrite_report
+from edgekv.eval.runs import RECIPE_KEY, read_results, rewrite_report
 from edgekv.eval.stats import paired_to_edge
 from edgekv.eval.strategies import parse_strategy
 from edgekv.plots import plt, save_figure
@@ -133,7 +133,9 @@ def run_plan(cfg: PlanConfig, progress=None) -> dict:
     """Profile, plan at every link, measure the picks and the sweep; write plan.json/.csv/.md and the plot."""
     cfg.validate()
     qpb = Path(cfg.qpb)
-    ecfg = load_config(EvalConfig, "eval", None, json.loads((qpb / "config.json").read_text(encoding="utf-8")))
+    settings = json.loads((qpb / "config.json").read_text(encoding="utf-8"))
+    settings.pop(RECIPE_KEY, None)
+    ecfg = load_config(EvalConfig, "eval", None, settings)
     fitted = qpb / "work" / f"translator-{ecfg.translator}-similarity"
     if ecfg.translator_path is None and (fitted / "translator.json").exists():
         ecfg.translator_path = str(fitted)  # the quality run's translator, not a refit

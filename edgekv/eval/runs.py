@@ -48,8 +48,24 @@ RESUMABLE_KEYS = {"out", "ray", "workers", "datasets", "strategies", "limit", "a
                   "load_seconds", "load_dataset", "load_max_tokens", "shard"}
 
 
+RECIPE_KEY = "distill_recipe"  # in config.json only, never an EvalConfig field
+
+
+def run_settings(cfg) -> dict:
+    """The eval config as written beside its rows, with the distill recipe its `distill_config` file names read in:
+    the file can change between runs under the same path, and rows its old recipe made must not be resumed."""
+    settings = to_dict(cfg)
+    if cfg.distill_config and Path(cfg.distill_config).exists():
+        from edgekv.config import load_config
+        from edgekv.distill.distill_job import DistillConfig  # the distill stage, only for runs that name it
+
+        recipe = load_config(DistillConfig, "distill", cfg.distill_config, {"system_prompt": "unused"})
+        settings[RECIPE_KEY] = to_dict(recipe)
+    return settings
+
+
 def check_resumable(out: Path, cfg) -> None:
-    """Refuse to mix rows made under another config into this run's results."""
+    """Refuse to mix rows made under another config (or another distill recipe) into this run's results."""
     path = out / "config.json"
     if not path.exists():
         return
@@ -57,7 +73,7 @@ def check_resumable(out: Path, cfg) -> None:
         before = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
         raise EdgeKVError(f"{path}: unreadable ({exc}); pass another --out") from exc
-    now = to_dict(cfg)
+    now = run_settings(cfg)
     differ = sorted(k for k in now if k not in RESUMABLE_KEYS and k in before and before[k] != now[k])
     if differ:
         raise EdgeKVError(f"{out}/results.jsonl was made with other settings ({', '.join(differ)}); "
