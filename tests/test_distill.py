@@ -327,6 +327,27 @@ def test_on_policy_samples_are_seeded_scored_and_resumable(pair, tmp_path):
     assert torch.equal(first[f"{n}.top_ids"], torch.log_softmax(logits.float(), -1).topk(64, dim=-1)[1])
 
 
+def test_students_of_other_lengths_reuse_the_teachers_share(pair, tmp_path):
+    """Two on-policy students of one prompt (P' = P, then P/2) in one synthetic root: the second reads the teacher's
+    share back instead of making it again, and its set is bit for bit the one it makes with nothing kept."""
+    from safetensors.torch import load_file
+
+    kw = dict(queries=6, seeds=["question", "instruction"], on_policy=0.5, steps=2)
+    shared, alone = str(tmp_path / "shared"), str(tmp_path / "alone")
+    run_distill(_cfg(tmp_path / "full", synthetic_dir=shared, **kw), models=pair)
+    first = load_file(str(tmp_path / "shared" / "prompt" / "synthetic.safetensors"))
+    run_distill(_cfg(tmp_path / "half", synthetic_dir=shared, compress=2, **kw), models=pair)
+    meta = json.loads((tmp_path / "shared" / "prompt" / "synthetic.json").read_text())
+    reused = load_file(str(tmp_path / "shared" / "prompt" / "synthetic.safetensors"))
+    run_distill(_cfg(tmp_path / "fresh", synthetic_dir=alone, compress=2, **kw), models=pair)
+    fresh = load_file(str(tmp_path / "alone" / "prompt" / "synthetic.safetensors"))
+    assert meta["teacher_part_read_back"] and meta["teach_s"] > 0
+    assert reused.keys() == fresh.keys() and all(torch.equal(reused[k], fresh[k]) for k in fresh)
+    n_teacher = meta["policy"].index("student")  # the teacher's samples come first, the same for both students
+    same = [f"{n}.{x}" for n in range(n_teacher) for x in ("user", "answer", "top_ids", "top_logp")]
+    assert all(torch.equal(first[k], reused[k]) for k in same)
+
+
 def test_first_token_freeze_keeps_its_kv_bit_equal(pair, tmp_path):
     """freeze_first 1: after training every layer's first token is the edge's own KV bit for bit, the rest moved;
     step 0 is still EdgePrompt exactly."""

@@ -23,12 +23,14 @@ from edgekv.progress import Tasks
 SYNTHETIC_KEYS = ("queries", "seeds", "seed_prompts", "instructions", "answer_format", "window_tokens",
                   "max_query_tokens", "query_temperature", "max_answer_tokens", "temperature", "on_policy", "top_k",
                   "seed")
+STUDENT_KEYS = ("student", "length", "rule", "shared")  # what an on-policy set's key adds for its student
+TEACHER_PART = "teacher-part"  # .json + .safetensors beside the set: the teacher's share of an on-policy set
 
 
 def synthetic_set(cfg: Any, teacher: LoadedModel, edge: LoadedModel, student: Student, ids: torch.Tensor,
                work: Path, tasks: Tasks) -> tuple[list[Sample], dict]:
     """The synthetic set with its targets (`cfg`: a DistillConfig): read back when this teacher made it before, else
-    made and kept. Its
+    made and kept (an on-policy set also keeps the teacher's share on its own, for students of other lengths). Its
     seconds: the teacher's prefill, writing the queries, answering, the student's on-policy answers, the teacher
     scoring them."""
     where = Path(cfg.synthetic_dir) / work.name if cfg.synthetic_dir else work
@@ -59,13 +61,23 @@ def synthetic_set(cfg: Any, teacher: LoadedModel, edge: LoadedModel, student: St
     lap("prefill_s")
     plan = plan_seeds(cfg.seeds, cfg.queries)
     written = sum(p != INSTRUCTION for p in plan)
-    order = torch.randperm(len(plan), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-    theirs = set(order[:round(cfg.on_policy * len(plan))])  # the exchanges whose answer the student samples
-    samples, left = synthesize(model, ids, plan, [n in theirs for n in range(len(plan))], cfg.seed_prompts,
-                               cfg.instructions, cfg.answer_format, cfg.window_tokens, cfg.max_query_tokens,
-                               cfg.query_temperature, cfg.max_answer_tokens, cfg.temperature, cfg.top_k, cfg.seed,
-                               tasks.task("teacher writes and answers", len(plan)))
-    lap("teach_s")
+    # the teacher's share does not depend on the student: students of other lengths (ce-lslm-distill and its @c8)
+    # read it back and sample only their own answers
+    part_key = {k: v for k, v in key.items() if k not in STUDENT_KEYS}
+    part = _read_teacher_part(where, part_key) if cfg.on_policy else None
+    if part is None:
+        order = torch.randperm(len(plan), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+        theirs = set(order[:round(cfg.on_policy * len(plan))])  # the exchanges whose answer the student samples
+        samples, left = synthesize(model, ids, plan, [n in theirs for n in range(len(plan))], cfg.seed_prompts,
+                                   cfg.instructions, cfg.answer_format, cfg.window_tokens, cfg.max_query_tokens,
+                                   cfg.query_temperature, cfg.max_answer_tokens, cfg.temperature, cfg.top_k,
+                                   cfg.seed, tasks.task("teacher writes and answers", len(plan)))
+        lap("teach_s")
+        if cfg.on_policy:
+            _write_teacher_part(where, part_key, samples, left, seconds["teach_s"])
+    else:  # its seconds are the ones it took: a set's cost stays what it costs on its own
+        samples, left, seconds["teach_s"] = part
+        clock = time.perf_counter()
     if left:
         with torch.no_grad():
             on = BatchedTeacher(edge, student.prefix(), max_batch=cfg.teacher_batch)
@@ -81,9 +93,34 @@ def synthetic_set(cfg: Any, teacher: LoadedModel, edge: LoadedModel, student: St
                for name in ("user", "answer", "top_ids", "top_logp")}
     write_tensors_atomic(tensor_path, tensors)
     meta = {"key": key, "seed": [s.seed for s in samples], "policy": [s.policy for s in samples],
-            "planned": cfg.queries, "written": written, **seconds,
+            "teacher_part_read_back": part is not None, "planned": cfg.queries, "written": written, **seconds,
             "generate_s": sum(seconds.values()) - seconds.get("score_s", 0.0), "targets_s": seconds.get("score_s", 0.0),
             "supervised_tokens": int(sum(s.answer.numel() for s in samples)),
             "query_tokens": int(sum(s.user.numel() for s in samples))}
     write_text_atomic(meta_path, json.dumps(meta))
     return samples, meta
+
+
+def _write_teacher_part(where: Path, key: dict, samples: list[Sample], left: list[tuple[str, torch.Tensor]],
+                        teach_s: float) -> None:
+    """Keep the teacher's answered samples and the queries it left to the student."""
+    tensors = {f"{n}.{name}": getattr(s, name).clone().contiguous() for n, s in enumerate(samples)
+               for name in ("user", "answer", "top_ids", "top_logp")}
+    tensors |= {f"left{n}.user": user.clone().contiguous() for n, (_, user) in enumerate(left)}
+    write_tensors_atomic(where / f"{TEACHER_PART}.safetensors", tensors)
+    write_text_atomic(where / f"{TEACHER_PART}.json", json.dumps(
+        {"key": key, "seed": [s.seed for s in samples], "left": [kind for kind, _ in left], "teach_s": teach_s}))
+
+
+def _read_teacher_part(where: Path, key: dict) -> tuple[list[Sample], list[tuple[str, torch.Tensor]], float] | None:
+    """The teacher's share kept under this key, or None."""
+    meta_path, tensor_path = where / f"{TEACHER_PART}.json", where / f"{TEACHER_PART}.safetensors"
+    if not (meta_path.exists() and tensor_path.exists()):
+        return None
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    if meta["key"] != key:
+        return None
+    t = load_file(str(tensor_path))
+    samples = [Sample(kind, t[f"{n}.user"], t[f"{n}.answer"], t[f"{n}.top_ids"], t[f"{n}.top_logp"])
+               for n, kind in enumerate(meta["seed"])]
+    return samples, [(kind, t[f"left{n}.user"]) for n, kind in enumerate(meta["left"])], meta["teach_s"]
