@@ -153,3 +153,20 @@ def test_int4_linears_join_only_on_whole_pack_blocks():
     x = torch.randn(5, 96).to(torch.bfloat16)
     assert joined is not None and torch.equal(joined(x), torch.cat([m(x) for m in parts], -1))
     assert Int4Linear.concat([make(32), make(64)]) is None
+
+
+def test_training_a_kv_through_quantized_linears_is_one_line(edge_dir_bf16, tmp_path):
+    """A distilled KV trains through the edge: on quantized linears (no backward) that is a one-line error before
+    any step, never autograd's bare RuntimeError."""
+    from edgekv import EdgeKVError
+    from edgekv.distill.distill_job import DistillConfig
+    from edgekv.distill.student import initial_student, train_student
+    from edgekv.models.loading import load_model
+    from edgekv.progress import Tasks
+
+    edge = load_model(edge_dir_bf16, "bfloat16", weights="int8")
+    ids = torch.tensor(edge.tokenizer(SYSTEM)["input_ids"])
+    student, _ = initial_student(edge, ids, ids.numel(), "all")
+    with pytest.raises(EdgeKVError, match="--weights bf16"):
+        train_student(DistillConfig(out=str(tmp_path), system_prompt="x", steps=2), edge, student, [], [],
+                      tmp_path / "ckpt", Tasks(None))

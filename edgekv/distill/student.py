@@ -153,6 +153,9 @@ def train_student(cfg: Any, edge: LoadedModel, student: Student, train: list[Sam
                   checkpoint: Path, tasks: Tasks) -> tuple[list[dict], dict]:
     """train_loop on the student (`cfg`: a DistillConfig), `cfg.batch` sequences a step, held-out KL every
     `eval_every` steps (see `train_prefix`)."""
+    if cfg.steps > 0 and edge.quantization and edge.quantization.get("quantized"):
+        raise EdgeKVError("training a KV needs the gradient through the edge, and its quantized linears have no "
+                          "backward: load the edge with --weights bf16")
 
     def loss(step: int) -> torch.Tensor:
         prefix = student.prefix()
