@@ -158,7 +158,6 @@ def test_int4_linears_join_only_on_whole_pack_blocks():
 def test_training_a_kv_through_quantized_linears_is_one_line(edge_dir_bf16, tmp_path):
     """A distilled KV trains through the edge: on quantized linears (no backward) that is a one-line error before
     any step, never autograd's bare RuntimeError."""
-    from edgekv import EdgeKVError
     from edgekv.distill.distill_job import DistillConfig
     from edgekv.distill.student import initial_student, train_student
     from edgekv.models.loading import load_model

@@ -153,9 +153,6 @@ def train_student(cfg: Any, edge: LoadedModel, student: Student, train: list[Sam
                   checkpoint: Path, tasks: Tasks) -> tuple[list[dict], dict]:
     """train_loop on the student (`cfg`: a DistillConfig), `cfg.batch` sequences a step, held-out KL every
     `eval_every` steps (see `train_prefix`)."""
-    if cfg.steps > 0 and edge.quantization and edge.quantization.get("quantized"):
-        raise EdgeKVError("training a KV needs the gradient through the edge, and its quantized linears have no "
-                          "backward: load the edge with --weights bf16")
 
     def loss(step: int) -> torch.Tensor:
         prefix = student.prefix()
@@ -171,6 +168,9 @@ def train_prefix(cfg: Any, edge: LoadedModel, student: Student, loss: Callable[[
     """train_loop on a trainable prefix (`cfg`: lr, steps, eval_every, patience) with the step's `loss`; the
     held-out KL every `eval_every` steps; the best held-out state is kept (in the checkpoint, so a resumed run
     knows it) and restored at the end; stops after `patience` evaluations without improvement."""
+    if cfg.steps > 0 and edge.quantization and edge.quantization.get("quantized"):
+        raise EdgeKVError("training a KV (per prompt or shared) needs the gradient through the edge, and its "
+                          "quantized linears have no backward: load the edge with --weights bf16")
     best_path = checkpoint / "best.safetensors"
     best = {"step": 0, "kl": float("inf")}
     if best_path.exists() and (checkpoint / "best.json").exists():

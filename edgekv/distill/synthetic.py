@@ -45,9 +45,7 @@ def synthetic_set(cfg: Any, teacher: LoadedModel, edge: LoadedModel, student: St
     if meta_path.exists() and tensor_path.exists():
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
         if meta["key"] == key:
-            t = load_file(str(tensor_path))
-            return [Sample(kind, t[f"{n}.user"], t[f"{n}.answer"], t[f"{n}.top_ids"], t[f"{n}.top_logp"], policy)
-                    for n, (kind, policy) in enumerate(zip(meta["seed"], meta["policy"]))], meta
+            return _samples(load_file(str(tensor_path)), meta["seed"], meta["policy"]), meta
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
 
@@ -89,9 +87,7 @@ def synthetic_set(cfg: Any, teacher: LoadedModel, edge: LoadedModel, student: St
         samples += drawn
     if len(samples) < 2:
         raise EdgeKVError("the teacher answered fewer than 2 queries (every answer was empty)")
-    tensors = {f"{n}.{name}": getattr(s, name).clone().contiguous() for n, s in enumerate(samples)
-               for name in ("user", "answer", "top_ids", "top_logp")}
-    write_tensors_atomic(tensor_path, tensors)
+    write_tensors_atomic(tensor_path, _tensors(samples))
     meta = {"key": key, "seed": [s.seed for s in samples], "policy": [s.policy for s in samples],
             "teacher_part_read_back": part is not None, "planned": cfg.queries, "written": written, **seconds,
             "generate_s": sum(seconds.values()) - seconds.get("score_s", 0.0), "targets_s": seconds.get("score_s", 0.0),
@@ -104,9 +100,7 @@ def synthetic_set(cfg: Any, teacher: LoadedModel, edge: LoadedModel, student: St
 def _write_teacher_part(where: Path, key: dict, samples: list[Sample], left: list[tuple[str, torch.Tensor]],
                         teach_s: float) -> None:
     """Keep the teacher's answered samples and the queries it left to the student."""
-    tensors = {f"{n}.{name}": getattr(s, name).clone().contiguous() for n, s in enumerate(samples)
-               for name in ("user", "answer", "top_ids", "top_logp")}
-    tensors |= {f"left{n}.user": user.clone().contiguous() for n, (_, user) in enumerate(left)}
+    tensors = _tensors(samples) | {f"left{n}.user": user.clone().contiguous() for n, (_, user) in enumerate(left)}
     write_tensors_atomic(where / f"{TEACHER_PART}.safetensors", tensors)
     write_text_atomic(where / f"{TEACHER_PART}.json", json.dumps(
         {"key": key, "seed": [s.seed for s in samples], "left": [kind for kind, _ in left], "teach_s": teach_s}))
@@ -121,6 +115,17 @@ def _read_teacher_part(where: Path, key: dict) -> tuple[list[Sample], list[tuple
     if meta["key"] != key:
         return None
     t = load_file(str(tensor_path))
-    samples = [Sample(kind, t[f"{n}.user"], t[f"{n}.answer"], t[f"{n}.top_ids"], t[f"{n}.top_logp"])
-               for n, kind in enumerate(meta["seed"])]
+    samples = _samples(t, meta["seed"], ["teacher"] * len(meta["seed"]))
     return samples, [(kind, t[f"left{n}.user"]) for n, kind in enumerate(meta["left"])], meta["teach_s"]
+
+
+def _tensors(samples: list[Sample]) -> dict[str, torch.Tensor]:
+    """The samples' tensors as safetensors keys `<n>.<field>`."""
+    return {f"{n}.{name}": getattr(s, name).clone().contiguous() for n, s in enumerate(samples)
+            for name in ("user", "answer", "top_ids", "top_logp")}
+
+
+def _samples(t: dict[str, torch.Tensor], seeds: list[str], policies: list[str]) -> list[Sample]:
+    """Samples read back from `_tensors`' keys."""
+    return [Sample(kind, t[f"{n}.user"], t[f"{n}.answer"], t[f"{n}.top_ids"], t[f"{n}.top_logp"], policy)
+            for n, (kind, policy) in enumerate(zip(seeds, policies))]
