@@ -32,7 +32,7 @@ from edgekv.attention.prefix_kv import PrefixKV, continuation_logits
 from edgekv.config import load_config
 from edgekv.distill.distill_job import INSTRUCTIONS, DistillConfig
 from edgekv.distill.student import initial_student
-from edgekv.distill.synthetic import TEACHER_PART, synthetic_set
+from edgekv.distill.synthetic import clear_synthetic, synthetic_set
 from edgekv.models.loading import eos_ids, load_model
 from edgekv.progress import Tasks
 from edgekv.texts import read_prompts
@@ -75,9 +75,7 @@ def v1_teacher(cloud, ids: torch.Tensor, samples: int = 2, max_tokens: int = 40,
 def batched_teacher(cfg: DistillConfig, cloud, edge, ids: torch.Tensor, work: Path) -> dict:
     """`edgekv distill`'s synthetic stage under `cfg`, made afresh in `work`."""
     student, _ = initial_student(edge, ids, ids.numel(), "all", freeze_first=cfg.freeze_first)
-    for stem in ("synthetic", TEACHER_PART):  # nothing kept from an earlier run: the seconds are the point
-        for ext in (".json", ".safetensors"):
-            (work / f"{stem}{ext}").unlink(missing_ok=True)
+    clear_synthetic(work)  # nothing kept from an earlier run: the seconds are the point
     start = time.perf_counter()
     samples, meta = synthetic_set(cfg, cloud, edge, student, ids, work, Tasks(None))
     total = time.perf_counter() - start

@@ -24,6 +24,7 @@ SYNTHETIC_KEYS = ("queries", "seeds", "seed_prompts", "instructions", "answer_fo
                   "max_query_tokens", "query_temperature", "max_answer_tokens", "temperature", "on_policy", "top_k",
                   "seed")
 STUDENT_KEYS = ("student", "length", "rule", "shared")  # what an on-policy set's key adds for its student
+SYNTHETIC = "synthetic"  # .json + .safetensors: the set with its targets
 TEACHER_PART = "teacher-part"  # .json + .safetensors beside the set: the teacher's share of an on-policy set
 
 
@@ -35,7 +36,7 @@ def synthetic_set(cfg: Any, teacher: LoadedModel, edge: LoadedModel, student: St
     scoring them."""
     where = Path(cfg.synthetic_dir) / work.name if cfg.synthetic_dir else work
     where.mkdir(parents=True, exist_ok=True)
-    meta_path, tensor_path = where / "synthetic.json", where / "synthetic.safetensors"
+    meta_path, tensor_path = where / f"{SYNTHETIC}.json", where / f"{SYNTHETIC}.safetensors"
     key = {"teacher": teacher.fingerprint, **{k: getattr(cfg, k) for k in SYNTHETIC_KEYS},
            "prompt_sha256": token_ids_sha256(ids.tolist()), "format": 2}
     if cfg.on_policy:  # the student's samples depend on where it starts
@@ -117,6 +118,13 @@ def _read_teacher_part(where: Path, key: dict) -> tuple[list[Sample], list[tuple
     t = load_file(str(tensor_path))
     samples = _samples(t, meta["seed"], ["teacher"] * len(meta["seed"]))
     return samples, [(kind, t[f"left{n}.user"]) for n, kind in enumerate(meta["left"])], meta["teach_s"]
+
+
+def clear_synthetic(where: Path) -> None:
+    """Forget a set and its teacher's share kept in `where`, so the next `synthetic_set` makes them afresh."""
+    for stem in (SYNTHETIC, TEACHER_PART):
+        for ext in (".json", ".safetensors"):
+            (where / f"{stem}{ext}").unlink(missing_ok=True)
 
 
 def _tensors(samples: list[Sample]) -> dict[str, torch.Tensor]:
