@@ -36,17 +36,15 @@ def synthetic_set(cfg: Any, teacher: LoadedModel, edge: LoadedModel, student: St
     scoring them."""
     where = Path(cfg.synthetic_dir) / work.name if cfg.synthetic_dir else work
     where.mkdir(parents=True, exist_ok=True)
-    meta_path, tensor_path = where / f"{SYNTHETIC}.json", where / f"{SYNTHETIC}.safetensors"
     key = {"teacher": teacher.fingerprint, **{k: getattr(cfg, k) for k in SYNTHETIC_KEYS},
            "prompt_sha256": token_ids_sha256(ids.tolist()), "format": 2}
     if cfg.on_policy:  # the student's samples depend on where it starts
         key.update(student=edge.fingerprint, length=student.tokens, rule=cfg.rule)
         if getattr(cfg, "shared", None):  # the student read after a shared prefix samples other answers
             key["shared"] = cfg.shared
-    if meta_path.exists() and tensor_path.exists():
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        if meta["key"] == key:
-            return _samples(load_file(str(tensor_path)), meta["seed"], meta["policy"]), meta
+    if (kept := _kept(where, SYNTHETIC, key)) is not None:
+        meta, t = kept
+        return _samples(t, meta["seed"], meta["policy"]), meta
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
 
@@ -88,13 +86,12 @@ def synthetic_set(cfg: Any, teacher: LoadedModel, edge: LoadedModel, student: St
         samples += drawn
     if len(samples) < 2:
         raise EdgeKVError("the teacher answered fewer than 2 queries (every answer was empty)")
-    write_tensors_atomic(tensor_path, _tensors(samples))
     meta = {"key": key, "seed": [s.seed for s in samples], "policy": [s.policy for s in samples],
             "teacher_part_read_back": part is not None, "planned": cfg.queries, "written": written, **seconds,
             "generate_s": sum(seconds.values()) - seconds.get("score_s", 0.0), "targets_s": seconds.get("score_s", 0.0),
             "supervised_tokens": int(sum(s.answer.numel() for s in samples)),
             "query_tokens": int(sum(s.user.numel() for s in samples))}
-    write_text_atomic(meta_path, json.dumps(meta))
+    _keep(where, SYNTHETIC, _tensors(samples), meta)
     return samples, meta
 
 
@@ -102,22 +99,34 @@ def _write_teacher_part(where: Path, key: dict, samples: list[Sample], left: lis
                         teach_s: float) -> None:
     """Keep the teacher's answered samples and the queries it left to the student."""
     tensors = _tensors(samples) | {f"left{n}.user": user.clone().contiguous() for n, (_, user) in enumerate(left)}
-    write_tensors_atomic(where / f"{TEACHER_PART}.safetensors", tensors)
-    write_text_atomic(where / f"{TEACHER_PART}.json", json.dumps(
-        {"key": key, "seed": [s.seed for s in samples], "left": [kind for kind, _ in left], "teach_s": teach_s}))
+    _keep(where, TEACHER_PART, tensors,
+          {"key": key, "seed": [s.seed for s in samples], "left": [kind for kind, _ in left], "teach_s": teach_s})
 
 
 def _read_teacher_part(where: Path, key: dict) -> tuple[list[Sample], list[tuple[str, torch.Tensor]], float] | None:
     """The teacher's share kept under this key, or None."""
-    meta_path, tensor_path = where / f"{TEACHER_PART}.json", where / f"{TEACHER_PART}.safetensors"
+    if (kept := _kept(where, TEACHER_PART, key)) is None:
+        return None
+    meta, t = kept
+    samples = _samples(t, meta["seed"], ["teacher"] * len(meta["seed"]))
+    return samples, [(kind, t[f"left{n}.user"]) for n, kind in enumerate(meta["left"])], meta["teach_s"]
+
+
+def _keep(where: Path, stem: str, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """Write `stem`'s tensors, then its JSON (with the key), each atomically: the JSON last marks the pair whole."""
+    write_tensors_atomic(where / f"{stem}.safetensors", tensors)
+    write_text_atomic(where / f"{stem}.json", json.dumps(meta))
+
+
+def _kept(where: Path, stem: str, key: dict) -> tuple[dict, dict[str, torch.Tensor]] | None:
+    """`stem`'s JSON and tensors kept in `where` under this key, or None."""
+    meta_path, tensor_path = where / f"{stem}.json", where / f"{stem}.safetensors"
     if not (meta_path.exists() and tensor_path.exists()):
         return None
     meta = json.loads(meta_path.read_text(encoding="utf-8"))
     if meta["key"] != key:
         return None
-    t = load_file(str(tensor_path))
-    samples = _samples(t, meta["seed"], ["teacher"] * len(meta["seed"]))
-    return samples, [(kind, t[f"left{n}.user"]) for n, kind in enumerate(meta["left"])], meta["teach_s"]
+    return meta, load_file(str(tensor_path))
 
 
 def clear_synthetic(where: Path) -> None:
