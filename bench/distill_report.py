@@ -24,7 +24,8 @@ CONDITIONS = {"distill": "ce-lslm-distill", "distill-c8": "ce-lslm-distill@c8",
               "distill-nosum": "ce-lslm-distill:nosum", "distill-v1": "ce-lslm-distill:v1", "fuse": "ce-lslm-fuse",
               "cloud": "cloud-only", "edge": "edge-only"}
 REFERENCE = "edgeprompt"
-CONTRASTS = {"distill - fuse": ("distill", "fuse"), "distill-c8 - self-distill-c8": ("distill-c8", "self-distill-c8"),
+CONTRASTS = {"distill - fuse": ("distill", "fuse"), "distill - distill-v1": ("distill", "distill-v1"),
+             "distill-c8 - self-distill-c8": ("distill-c8", "self-distill-c8"),
              "distill-c8 - truncate-c8": ("distill-c8", "truncate-c8")}
 
 
@@ -39,7 +40,7 @@ class Spec:
     gap_from: str = "edge-only"
 
 
-DISTILL = Spec(CONDITIONS, CONTRASTS, {"gap_closed_by_distill": "distill"})
+DISTILL = Spec(CONDITIONS, CONTRASTS, {f"gap_closed_by_{c}": c for c in ("distill", "distill-v1", "fuse")})
 
 
 def _paired(rows: list[dict], a: str, b: str, seed: int, *names: str) -> dict | None:

@@ -478,7 +478,8 @@ def test_distill_summary_pairs_and_gap_closed():
     rows = []
     for i in range(6):
         for strategy, nll in (("edgeprompt", 2.0 + i), ("edge-only", 2.0 + i), ("cloud-only", 1.0 + i),
-                              ("ce-lslm-distill", 1.5 + i + 0.01 * i), ("ce-lslm-fuse", 1.9 + i)):
+                              ("ce-lslm-distill", 1.5 + i + 0.01 * i), ("ce-lslm-fuse", 1.9 + i),
+                              ("ce-lslm-distill:v1", 1.8 + i)):
             rows.append({"dataset": "xsum", "strategy": strategy, "id": str(i), "ref_nll": nll,
                          "bytes_cloud_to_edge": 10, "cloud_s": 1.0})
     s = distill_summary(rows)["xsum"]
@@ -486,4 +487,8 @@ def test_distill_summary_pairs_and_gap_closed():
     assert s["distill - fuse"]["delta_ci95"][1] < 0 and s["cloud"]["delta_mean"] == pytest.approx(-1.0)
     g = s["gap_closed_by_distill"]
     assert g["fraction"] == pytest.approx(0.475) and g["ci95_lo"] <= 0.475 <= g["ci95_hi"]
+    # the old recipe and the fuser against the new one, on the same requests (issue 34's table)
+    assert s["distill - distill-v1"]["delta_mean"] == pytest.approx(-0.3 + 0.025)
+    assert s["gap_closed_by_distill-v1"]["fraction"] == pytest.approx(0.2)
+    assert s["gap_closed_by_fuse"]["fraction"] == pytest.approx(0.1)
     assert math.isnan(gap_closed([1.0, 2.0], [1.0, 2.0], [1.0, 2.0])["fraction"])  # no gap: undefined, no error
