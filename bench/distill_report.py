@@ -98,29 +98,33 @@ def distill_summary(rows: list[dict], seed: int = 0, spec: Spec = DISTILL) -> di
 def distill_costs(runs: list[Path], out: Path | None = None) -> dict:
     """{source/export: medians over the prompts of the runs' distill reports (generation, targets and training
     seconds, best step, held-out KL at step 0 and at the best step)}, read from each run's work folder; with
-    `out`, one loss curve per source and export (its first prompt's) into out/loss_curves."""
-    costs = {}
+    `out`, one loss curve per source and export (its first prompt's) into out/loss_curves. Runs of one source (the
+    shards of a dataset) pool their prompts; a system prompt exported by two shards counts once."""
+    reports: dict[str, dict[str, Path]] = {}  # source/export → {system-prompt hash → report.json}
     for run in runs:
         source = "+".join(json.loads((run / "config.json").read_text(encoding="utf-8"))["datasets"])
         for export in sorted(p for p in (run / "work" / "exports").glob("*") if p.is_dir()):
-            reports = sorted(export.glob("*/prompt/report.json"))
-            rs = [json.loads(p.read_text(encoding="utf-8")) for p in reports]
-            if not rs or "distilled" not in rs[0]:  # not a distilled export (compress's have no report.json)
-                continue
-            d = [r["distilled"] for r in rs]
-            costs[f"{source}/{export.name}"] = {
-                "n": len(rs), **{f"{k}_median": median([r[k] for r in rs]) for k in ("generate_s", "targets_s",
-                                                                                      "train_s")},
-                "best_step_median": median([x["best_step"] for x in d]),
-                "held_out_kl_step0_median": median([x.get("initial_held_out_kl") for x in d]),
-                "held_out_kl_best_median": median([x.get("held_out_kl") for x in d]),
-                "samples_median": median([x["samples"] for x in d]),
-                "kv_tokens_median": median([r["kv_tokens"] for r in rs]),
-                "system_tokens_median": median([r["system_prompt_tokens"] for r in rs])}
-            curve = reports[0].parent / "loss_curve.png"
-            if out is not None and curve.exists():
-                (out / "loss_curves").mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(curve, out / "loss_curves" / f"{source}_{export.name}.png")
+            for path in sorted(export.glob("*/prompt/report.json")):
+                reports.setdefault(f"{source}/{export.name}", {}).setdefault(path.parent.parent.name, path)
+    costs = {}
+    for key, paths in reports.items():
+        rs = [json.loads(p.read_text(encoding="utf-8")) for p in paths.values()]
+        if "distilled" not in rs[0]:  # not a distilled export (compress's have no report.json)
+            continue
+        d = [r["distilled"] for r in rs]
+        costs[key] = {
+            "n": len(rs), **{f"{k}_median": median([r[k] for r in rs]) for k in ("generate_s", "targets_s",
+                                                                                  "train_s")},
+            "best_step_median": median([x["best_step"] for x in d]),
+            "held_out_kl_step0_median": median([x.get("initial_held_out_kl") for x in d]),
+            "held_out_kl_best_median": median([x.get("held_out_kl") for x in d]),
+            "samples_median": median([x["samples"] for x in d]),
+            "kv_tokens_median": median([r["kv_tokens"] for r in rs]),
+            "system_tokens_median": median([r["system_prompt_tokens"] for r in rs])}
+        curve = next(iter(paths.values())).parent / "loss_curve.png"
+        if out is not None and curve.exists():
+            (out / "loss_curves").mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(curve, out / "loss_curves" / f"{key.replace('/', '_')}.png")
     return costs
 
 

@@ -3,6 +3,7 @@
 import json
 import math
 import re
+import shutil
 import statistics
 
 import pytest
@@ -462,6 +463,14 @@ def test_distilled_strategies_run_and_truncate_is_edgeprompt_of_the_head(tiny_mo
     assert costs["xsum/edgeprompt-truncate-c4"]["best_step_median"] == 0
     assert costs["xsum/ce-lslm-distill"]["train_s_median"] > 0
     assert (tmp_path / "report" / "loss_curves" / "xsum_ce-lslm-distill-c4.png").exists()
+    # two shards of one source pool their prompts, a prompt both exported counting once
+    shard = tmp_path / "shard"
+    shutil.copytree(out, shard)
+    for export in (shard / "work" / "exports").glob("*"):
+        shutil.rmtree(sorted(p for p in export.iterdir() if p.is_dir())[0])
+    pooled = distill_costs([out, shard])
+    assert pooled["xsum/ce-lslm-distill"]["n"] == 2 and set(pooled) == set(costs)
+    assert distill_costs([shard])["xsum/ce-lslm-distill"]["n"] == 1
     # the recipe file changed under the same path: its rows are not resumed
     before = (out / "results.jsonl").read_text()
     distill.write_text(distill.read_text().replace("steps: 2", "steps: 5"))
