@@ -14,6 +14,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from edgekv import EdgeKVError
 from edgekv.atomic import write_text_atomic
 from edgekv.eval.stats import cell_seed, gap_closed, paired_bootstrap
 from edgekv.plots import interval_plot
@@ -128,6 +129,21 @@ def distill_costs(runs: list[Path], out: Path | None = None) -> dict:
     return costs
 
 
+def _once(rows: list[dict]) -> list[dict]:
+    """The rows with each (source, request, strategy) once: runs merged into one report may each hold the same
+    reference (EdgePrompt in every run); an identical repeat is dropped, a repeat with another NLL is refused,
+    since pairing would silently take one run's number against another's."""
+    first: dict[tuple[str, str, str], dict] = {}
+    for r in rows:
+        key = (r["dataset"], r["id"], r["strategy"])
+        if key not in first:
+            first[key] = r
+        elif first[key].get("ref_nll") != r.get("ref_nll"):
+            raise EdgeKVError(f"two runs score {key[2]} on {key[0]} request {key[1]} differently "
+                             f"({first[key].get('ref_nll')} and {r.get('ref_nll')}): merge runs of one code")
+    return list(first.values())
+
+
 def write_distill_report(runs: list[Path], out: Path, seed: int = 0, spec: Spec = DISTILL,
                          relabel: dict[Path, dict[str, str]] | None = None) -> dict:
     """summary.json and rows.jsonl (the runs' rows of the compared strategies) into `out`; costs.json and
@@ -141,7 +157,7 @@ def write_distill_report(runs: list[Path], out: Path, seed: int = 0, spec: Spec 
             if line.strip():
                 r = json.loads(line)
                 rows.append({**r, "strategy": names.get(r["strategy"], r["strategy"])})
-    rows = [r for r in rows if r["strategy"] in keep]
+    rows = _once([r for r in rows if r["strategy"] in keep])
     # a run stopped mid-request (resumable) leaves some strategies of its last request unanswered: compare only
     # requests every strategy run on their source answered, so each condition is paired over the same requests
     answered: dict[tuple[str, str], set[str]] = {}
@@ -168,4 +184,7 @@ def write_distill_report(runs: list[Path], out: Path, seed: int = 0, spec: Spec 
 if __name__ == "__main__":  # python -m bench.distill_report OUT_DIR RUN_DIR [RUN_DIR ...]
     import sys
 
-    print(json.dumps(write_distill_report([Path(a) for a in sys.argv[2:]], Path(sys.argv[1])), indent=1))
+    try:
+        print(json.dumps(write_distill_report([Path(a) for a in sys.argv[2:]], Path(sys.argv[1])), indent=1))
+    except EdgeKVError as exc:
+        raise SystemExit(f"error: {exc}") from None

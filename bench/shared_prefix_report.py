@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from bench.distill_report import REFERENCE, Spec, common_gap, write_distill_report
+from edgekv import EdgeKVError
 from edgekv.atomic import write_text_atomic
 from edgekv.eval.stats import cell_seed
 
@@ -97,7 +98,10 @@ def main() -> None:
         runs.append(Path(run))
         relabel[Path(run)] = {"edgeprompt-shared": f"edgeprompt-shared@{name}"}
     spec = with_variants(SHARED, [name for name, _, _ in variants])
-    summary = write_distill_report(runs, args.out, spec=spec, relabel=relabel)
+    try:
+        summary = write_distill_report(runs, args.out, spec=spec, relabel=relabel)
+    except EdgeKVError as exc:
+        raise SystemExit(f"error: {exc}") from None
     rows = [json.loads(line) for line in (args.out / "rows.jsonl").read_text(encoding="utf-8").splitlines() if line]
     extra = {"decomposition": decomposition(rows), "share_of_oracle": share_of_oracle(rows, spec.conditions)}
     if args.prefix is not None:

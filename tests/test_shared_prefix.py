@@ -390,6 +390,42 @@ def test_report_keeps_a_source_a_strategy_skipped_and_relabels_a_runs_prefix(tmp
     assert cell["n"] == 4 and cell["fraction"] == pytest.approx(0.2) and cell["ci95_lo"] == pytest.approx(0.2)
 
 
+def test_report_keeps_a_repeated_reference_once_and_refuses_a_conflicting_one(tmp_path):
+    """Two runs each holding EdgePrompt on the same requests merge to one row per request; if their NLLs differ
+    (runs of different code) the merge is refused, in the library and as a one-line error on the command line."""
+    import subprocess
+    import sys
+
+    from bench.distill_report import write_distill_report
+    from bench.shared_prefix_report import SHARED
+
+    def run(name: str, rows: list[tuple[str, float]]) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"datasets": ["mmlu"]}))
+        (d / "results.jsonl").write_text("".join(json.dumps(
+            {"dataset": "mmlu", "id": str(i), "strategy": s, "ref_nll": v + 0.01 * i, "bytes_cloud_to_edge": 1 + i,
+             "cloud_s": 0.0, "correct": i % 2 == 0}) + "\n" for i in range(5) for s, v in rows))
+        return d
+
+    a = run("a", [("edgeprompt", 3.0), ("edgeprompt-shared", 2.9), ("cloud-only", 2.0)])
+    b = run("b", [("edgeprompt", 3.0), ("ce-lslm-distill-shared", 2.8)])
+    s = write_distill_report([a, b], tmp_path / "out", spec=SHARED)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "rows.jsonl").read_text().splitlines() if line]
+    assert sum(r["strategy"] == "edgeprompt" for r in rows) == 5 and len(rows) == 20
+    assert s["mmlu"]["distill-shared - edgeprompt-shared"]["delta_mean"] == pytest.approx(-0.1)
+    assert s["mmlu"]["accuracy"]["edgeprompt"] == pytest.approx(0.6)
+    c = run("c", [("edgeprompt", 3.001)])
+    with pytest.raises(EdgeKVError, match="edgeprompt on mmlu request 0"):
+        write_distill_report([a, c], tmp_path / "out2", spec=SHARED)
+    assert not (tmp_path / "out2").exists()
+    cli = subprocess.run([sys.executable, "-m", "bench.shared_prefix_report", str(tmp_path / "out3"), str(a), str(c)],
+                         capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+    assert cli.returncode != 0 and not (tmp_path / "out3").exists()
+    err = cli.stderr.strip()
+    assert err.startswith("error: two runs score edgeprompt") and len(err.splitlines()) == 1
+
+
 def test_prefix_sft_learns_the_labels_without_a_cloud(pair, tiny_models, prompts, tmp_path):
     _, edge = pair
     cfg = _cfg(tmp_path, prompts, shared_targets="labels", steps=16, held_prompts=1, cloud=str(tmp_path / "none"),
