@@ -16,6 +16,7 @@ from pathlib import Path
 
 from edgekv import EdgeKVError
 from edgekv.atomic import write_text_atomic
+from edgekv.eval.runs import read_results
 from edgekv.eval.stats import cell_seed, gap_closed, paired_bootstrap
 from edgekv.plots import interval_plot
 from edgekv.summary import mean, median
@@ -153,10 +154,9 @@ def write_distill_report(runs: list[Path], out: Path, seed: int = 0, spec: Spec 
     rows = []
     for run in runs:
         names = (relabel or {}).get(run, {})
-        for line in (run / "results.jsonl").read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                r = json.loads(line)
-                rows.append({**r, "strategy": names.get(r["strategy"], r["strategy"])})
+        # the eval's own reader: a run still writing (or stopped) may end in a torn line, dropped with a warning
+        rows += [{**r, "strategy": names.get(r["strategy"], r["strategy"])}
+                 for r in read_results(run / "results.jsonl")]
     rows = _once([r for r in rows if r["strategy"] in keep])
     # a run stopped mid-request (resumable) leaves some strategies of its last request unanswered: compare only
     # requests every strategy run on their source answered, so each condition is paired over the same requests

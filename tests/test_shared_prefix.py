@@ -426,6 +426,28 @@ def test_report_keeps_a_repeated_reference_once_and_refuses_a_conflicting_one(tm
     assert err.startswith("error: two runs score edgeprompt") and len(err.splitlines()) == 1
 
 
+def test_report_reads_a_run_still_writing(tmp_path, caplog):
+    """A report made while a run writes (or after it was stopped) drops the torn last line with a warning, as the
+    eval's resume does, and pairs the requests whose rows are whole."""
+    import logging
+
+    from bench.distill_report import write_distill_report
+    from bench.shared_prefix_report import SHARED
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"datasets": ["xsum"]}))
+    rows = [{"dataset": "xsum", "id": str(i), "strategy": s, "ref_nll": v + 0.01 * i, "bytes_cloud_to_edge": 1,
+             "cloud_s": 0.0} for i in range(3) for s, v in (("edgeprompt", 3.0), ("edgeprompt-shared", 2.8))]
+    torn = json.dumps({**rows[-1], "id": "3"})[:25]
+    (run / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + torn)
+    with caplog.at_level(logging.WARNING, logger="edgekv"):
+        s = write_distill_report([run], tmp_path / "out", spec=SHARED)
+    assert "results.jsonl:7: dropping a torn line" in caplog.text
+    assert s["xsum"]["edgeprompt-shared"]["n"] == 3
+    assert s["xsum"]["edgeprompt-shared"]["delta_mean"] == pytest.approx(-0.2)
+
+
 def test_prefix_sft_learns_the_labels_without_a_cloud(pair, tiny_models, prompts, tmp_path):
     _, edge = pair
     cfg = _cfg(tmp_path, prompts, shared_targets="labels", steps=16, held_prompts=1, cloud=str(tmp_path / "none"),
