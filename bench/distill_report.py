@@ -67,11 +67,14 @@ def common_gap(nll: dict[tuple[str, str], float | None], start: str, method: str
 
 
 def distill_summary(rows: list[dict], seed: int = 0, spec: Spec = DISTILL) -> dict:
-    """{source: {condition: {n, delta_mean, delta_ci95}, contrasts, gap_closed, bytes, cost}} per dataset."""
+    """{source: {condition: {n, delta_mean, delta_ci95}, contrasts, gap_closed, bytes, cost}} per dataset that has
+    EdgePrompt's rows (a source where only other strategies ran, e.g. oracle-kv alone, has nothing to compare)."""
     out: dict[str, dict] = {}
     every = {**spec.conditions, "edgeprompt": REFERENCE}
     for source in dict.fromkeys(r["dataset"] for r in rows):
         here = [r for r in rows if r["dataset"] == source]
+        if not any(r["strategy"] == REFERENCE for r in here):  # nothing to pair against: no cells, not empty ones
+            continue
         cells: dict[str, dict] = {}
         for cond, strategy in spec.conditions.items():
             p = _paired(here, strategy, REFERENCE, seed, source, cond)

@@ -36,7 +36,7 @@ def decomposition(rows: list[dict]) -> dict:
     """Per source, mean reference NLL of the cloud and the edge with and without the system prompt, and what
     reading it saves each (nats/token; the requests all four answered)."""
     out = {}
-    need = {"cloud-only", "edge-only", "cloud-nosys", "edge-nosys"}
+    need = ("cloud-only", "edge-only", "cloud-nosys", "edge-nosys")  # a tuple: summary.json's key order is fixed
     for source in dict.fromkeys(r["dataset"] for r in rows):
         nll: dict[str, dict[str, float]] = {}
         for r in rows:

@@ -373,6 +373,10 @@ def test_report_keeps_a_source_a_strategy_skipped_and_relabels_a_runs_prefix(tmp
     assert s["xsum"]["oracle-kv"]["delta_mean"] == pytest.approx(-0.5)
     assert s["xsum"]["edgeprompt-shared"]["delta_mean"] == pytest.approx(-0.1)
     assert s["xsum"][HELD_OUT]["delta_mean"] == pytest.approx(-0.3)
+    # a source where only oracle-kv ran has no EdgePrompt to pair with: no entry, not one of empty costs
+    d = run("d", [("sharegpt", "oracle-kv", 2.5)])
+    s = write_distill_report([a, d], tmp_path / "out-d", spec=SHARED)
+    assert set(s) == {"xsum", "mmlu"}
     # a prefix variant (another K) is one more condition with its own gap share, the K = 32 row untouched
     k = run("k", [("xsum", "edgeprompt-shared", 2.5)])
     s = write_distill_report([a, k], tmp_path / "out-k", spec=with_variants(SHARED, ["k64"]),
