@@ -64,3 +64,19 @@ def test_a_flag_reaches_its_field_and_an_unset_one_leaves_the_default(tmp_path, 
     assert (cfg.strategies, cfg.max_new_tokens, cfg.ray) == (default.strategies, default.max_new_tokens, None)
     cfg = run_with(monkeypatch, "--ray", "local", "--workers", "3", "--out", str(tmp_path))
     assert (cfg.ray, cfg.workers) == ("", 3)  # 'local' on the command line: a cluster started here
+
+
+def test_a_toggle_overrides_the_yaml_both_ways(monkeypatch):
+    """configs/distill-shared.yaml keeps the prompt's KV constant; --grad-through-prompt turns the gradient back on
+    for one run (the ablation) without another YAML file, and the YAML's value holds when no switch is given."""
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    config = str(Path(__file__).parents[1] / "configs" / "distill-shared.yaml")
+    seen = []
+    monkeypatch.setattr("cli.distill.run_distill", lambda cfg, progress: seen.append(cfg) and 1 / 0)
+    for args, want in (([], False), (["--grad-through-prompt"], True), (["--prompt-kv-constant"], False)):
+        result = CliRunner().invoke(app, ["distill", "--config", config, *args])
+        assert seen, result.output
+        assert seen.pop().grad_through_prompt is want, args

@@ -127,7 +127,8 @@ class DistillConfig(ModelSettings):
                        "careful answer that uses the document. "  # the prefix's first K tokens (repeated to K)
     held_prompts: int = setting(2, "Training prompts held out for the shared prefix's early stopping.")
     held_samples: int = 8  # exchanges per held-out prompt the held-out KL is measured on
-    grad_through_prompt: bool = True  # the gradient runs through the prompt's prefill after the prefix
+    grad_through_prompt: bool = setting(True, "Shared prefix: the gradient runs through the prompt's prefill after "
+                                              "the prefix.", toggle="--grad-through-prompt/--prompt-kv-constant")
     shared_targets: str = setting("teacher", "The shared prefix learns the cloud's top-k on synthetic exchanges "
                                              "(teacher) or the prompts' own labels (labels: prefix-sft).")
     label_tokens: int = 64  # prefix-sft: reference tokens trained on (the eval scores the first 64)
