@@ -6,6 +6,7 @@ system prompt).
     python -m bench.shared_prefix_report reports/shared-prefix RUN_DIR [RUN_DIR ...] [--prefix runs/shared-prefix]
         [--held-out-source RUN_DIR]   # edgeprompt-shared there: a prefix trained without that source
         [--variant NAME=RUN_DIR ...]  # edgeprompt-shared there under another prefix (e.g. k64): edgeprompt-shared@NAME
+        [--against NAME]              # the variants' contrasts against variant NAME (a control), not the shipped prefix
 """
 
 from __future__ import annotations
@@ -68,12 +69,17 @@ def share_of_oracle(rows: list[dict], conditions: dict[str, str]) -> dict:
     return out
 
 
-def with_variants(spec: Spec, names: list[str]) -> Spec:
+def with_variants(spec: Spec, names: list[str], against: str | None = None) -> Spec:
     """`spec` plus one condition per prefix variant (edgeprompt-shared under another prefix), its gap share, and its
-    paired contrast with the first prefix."""
+    paired contrast with the shipped prefix, or with variant `against` (an ablation's control: trained on the same
+    teacher sets) where given; the control itself is contrasted with the shipped prefix."""
     added = {f"edgeprompt-shared@{n}": f"edgeprompt-shared@{n}" for n in names}
-    against_first = {f"{c} - edgeprompt-shared": (c, "edgeprompt-shared") for c in added}
-    return replace(spec, conditions={**spec.conditions, **added}, contrasts={**spec.contrasts, **against_first},
+    base = "edgeprompt-shared" if against is None else f"edgeprompt-shared@{against}"
+    if base not in added and against is not None:
+        raise EdgeKVError(f"--against {against}: no --variant of that name")
+    pairs = {c: base if c != base else "edgeprompt-shared" for c in added}
+    contrasts = {f"{c} - {b}": (c, b) for c, b in pairs.items()}
+    return replace(spec, conditions={**spec.conditions, **added}, contrasts={**spec.contrasts, **contrasts},
                    gaps={**spec.gaps, **{f"gap_closed_by_{c}": c for c in added}})
 
 
@@ -86,6 +92,8 @@ def main() -> None:
                     help="a run of edgeprompt-shared under a prefix trained without that run's source")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=RUN_DIR",
                     help="a run of edgeprompt-shared under another prefix, reported as edgeprompt-shared@NAME")
+    ap.add_argument("--against", default=None, metavar="NAME",
+                    help="contrast the variants with variant NAME (a control) instead of the shipped prefix")
     args = ap.parse_args()
     runs, relabel = list(args.runs), {}
     if args.held_out_source is not None:
@@ -97,8 +105,8 @@ def main() -> None:
     for name, _, run in variants:
         runs.append(Path(run))
         relabel[Path(run)] = {"edgeprompt-shared": f"edgeprompt-shared@{name}"}
-    spec = with_variants(SHARED, [name for name, _, _ in variants])
     try:
+        spec = with_variants(SHARED, [name for name, _, _ in variants], args.against)
         summary = write_distill_report(runs, args.out, spec=spec, relabel=relabel)
     except EdgeKVError as exc:
         raise SystemExit(f"error: {exc}") from None

@@ -348,7 +348,7 @@ def test_report_pairs_conditions_and_decomposes_the_lead():
     assert d["cloud_lead_without_prompt"] == pytest.approx(1.1) and d["prompt_saves_edge"] == pytest.approx(0.5)
 
 
-def test_report_keeps_a_source_a_strategy_skipped_and_relabels_a_runs_prefix(tmp_path):
+def test_report_keeps_a_source_a_strategy_skipped_and_relabels_a_runs_prefix(tmp_path, monkeypatch):
     """A strategy run on one source only (oracle-kv on XSum) leaves the other source's requests in the report; the
     same strategy from a run under another prefix (--held-out-source) is its own condition, not a duplicate."""
     from bench.distill_report import write_distill_report
@@ -385,6 +385,23 @@ def test_report_keeps_a_source_a_strategy_skipped_and_relabels_a_runs_prefix(tmp
     assert s["xsum"]["gap_closed_by_edgeprompt-shared@k64"]["fraction"] == pytest.approx(0.5)
     assert s["xsum"]["edgeprompt-shared"]["delta_mean"] == pytest.approx(-0.1)
     assert s["xsum"]["edgeprompt-shared@k64 - edgeprompt-shared"]["delta_mean"] == pytest.approx(-0.4)
+    # an ablation against its control (same teacher sets): each variant minus the control, the control minus the
+    # shipped prefix; a control that is not a variant is refused
+    f = run("f", [("xsum", "edgeprompt-shared", 2.6)])
+    spec = with_variants(SHARED, ["k64", "f0"], against="k64")
+    s = write_distill_report([a, k, f], tmp_path / "out-f", spec=spec, relabel={
+        k: {"edgeprompt-shared": "edgeprompt-shared@k64"}, f: {"edgeprompt-shared": "edgeprompt-shared@f0"}})
+    assert s["xsum"]["edgeprompt-shared@f0 - edgeprompt-shared@k64"]["delta_mean"] == pytest.approx(0.1)
+    assert s["xsum"]["edgeprompt-shared@k64 - edgeprompt-shared"]["delta_mean"] == pytest.approx(-0.4)
+    assert "edgeprompt-shared@f0 - edgeprompt-shared" not in s["xsum"]
+    with pytest.raises(EdgeKVError, match="--against k16"):
+        with_variants(SHARED, ["k64"], against="k16")
+    from bench.shared_prefix_report import main  # on the command line: one line, no traceback, nothing written
+
+    monkeypatch.setattr("sys.argv", ["x", str(tmp_path / "out-g"), str(a), "--variant", f"k64={k}", "--against", "k16"])
+    with pytest.raises(SystemExit, match="^error: --against k16: no --variant of that name$"):
+        main()
+    assert not (tmp_path / "out-g").exists()
     # goal (4): the prefix's gain as a share of oracle-kv's on the same requests (−0.1 of −0.5), only where
     # oracle-kv ran (XSum), the cloud's NLL out of it
     rows = [json.loads(line) for line in (tmp_path / "out" / "rows.jsonl").read_text().splitlines() if line]
