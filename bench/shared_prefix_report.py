@@ -74,10 +74,12 @@ def with_variants(spec: Spec, names: list[str], against: str | None = None) -> S
     paired contrast with the shipped prefix, or with variant `against` (an ablation's control: trained on the same
     teacher sets) where given; the control itself is contrasted with the shipped prefix."""
     added = {f"edgeprompt-shared@{n}": f"edgeprompt-shared@{n}" for n in names}
-    base = "edgeprompt-shared" if against is None else f"edgeprompt-shared@{against}"
-    if base not in added and against is not None:
-        raise EdgeKVError(f"--against {against}: no --variant of that name")
-    pairs = {c: base if c != base else "edgeprompt-shared" for c in added}
+    base = "edgeprompt-shared"
+    if against is not None:
+        base = f"edgeprompt-shared@{against}"
+        if base not in added:
+            raise EdgeKVError(f"--against {against}: no --variant of that name")
+    pairs = {c: base if c != base else "edgeprompt-shared" for c in added}  # the control: against the shipped one
     contrasts = {f"{c} - {b}": (c, b) for c, b in pairs.items()}
     return replace(spec, conditions={**spec.conditions, **added}, contrasts={**spec.contrasts, **contrasts},
                    gaps={**spec.gaps, **{f"gap_closed_by_{c}": c for c in added}})
