@@ -43,13 +43,13 @@ def test_only_commands_without_settings_write_their_options_by_hand():
     assert {config_class(c) for c in COMMANDS.values()} - {None} == set(CONFIG_CLASSES.values())
 
 
-def run_with(monkeypatch, *args: str):
-    """The config `edgekv eval ARGS` builds (the run itself replaced by a stand-in that records it)."""
+def run_with(monkeypatch, *args: str, command: str = "eval"):
+    """The config `edgekv COMMAND ARGS` builds (its `run_COMMAND` replaced by a stand-in that records it)."""
     from typer.testing import CliRunner
 
     seen = {}
-    monkeypatch.setattr("cli.eval.run_eval", lambda cfg, progress: seen.setdefault("cfg", cfg) and 1 / 0)
-    result = CliRunner().invoke(app, ["eval", *args])
+    monkeypatch.setattr(f"cli.{command}.run_{command}", lambda cfg, progress: seen.setdefault("cfg", cfg) and 1 / 0)
+    result = CliRunner().invoke(app, [command, *args])
     assert "cfg" in seen, result.output
     return seen["cfg"]
 
@@ -71,12 +71,7 @@ def test_a_toggle_overrides_the_yaml_both_ways(monkeypatch):
     for one run (the ablation) without another YAML file, and the YAML's value holds when no switch is given."""
     from pathlib import Path
 
-    from typer.testing import CliRunner
-
     config = str(Path(__file__).parents[1] / "configs" / "distill-shared.yaml")
-    seen = []
-    monkeypatch.setattr("cli.distill.run_distill", lambda cfg, progress: seen.append(cfg) and 1 / 0)
     for args, want in (([], False), (["--grad-through-prompt"], True), (["--prompt-kv-constant"], False)):
-        result = CliRunner().invoke(app, ["distill", "--config", config, *args])
-        assert seen, result.output
-        assert seen.pop().grad_through_prompt is want, args
+        cfg = run_with(monkeypatch, "--config", config, *args, command="distill")
+        assert cfg.grad_through_prompt is want, args
