@@ -67,9 +67,10 @@ def test_compress_on_the_default_pair_and_reload(tmp_path):
         assert torch.isfinite(keys).all() and torch.isfinite(values).all()
 
 
-def test_the_shipped_shared_prefix_loads_for_the_default_edge_and_keeps_its_sink():
-    """prefixes/default-k32 (issue 37): a verified shared-prefix export of the default edge, K = 32, whose first
-    token (the frozen sink) is still the edge's own KV of its init text while the trained tokens moved away."""
+def test_the_shipped_shared_prefix_loads_for_the_default_edge_and_is_trained_in_every_token():
+    """prefixes/default-k32 (issue 37): a verified shared-prefix export of the default edge, K = 32, trained with no
+    frozen sink (`freeze_first: 0`, configs/distill-shared.yaml): every token, the first one included, has moved away
+    from the edge's own KV of its init text, the state training starts from."""
     import torch
 
     from edgekv.attention.prefix_kv import prefix_kv
@@ -78,11 +79,10 @@ def test_the_shipped_shared_prefix_loads_for_the_default_edge_and_keeps_its_sink
 
     edge = load_model("default-edge")
     shared = SharedPrefix(ROOT / "prefixes" / "default-k32", edge)
-    assert shared.tokens == 32 and shared.info["freeze_first"] == 1
+    assert shared.tokens == 32 and shared.info["freeze_first"] == 0
     own = prefix_kv(edge.model, torch.tensor(shared.manifest["system_prompt"]["token_ids"]))
     for i, (k, v) in enumerate(own):
         sk, sv = shared.prefix.layer(i)
-        assert torch.equal(sk[..., :1, :], k[..., :1, :]) and torch.equal(sv[..., :1, :], v[..., :1, :])
-    moved = max(float((shared.prefix.layer(i)[1][..., 1:, :] - v[..., 1:, :]).abs().max()) for i, (_, v) in
-                enumerate(own))
-    assert moved > 0.01
+        per_token = lambda d: d.abs().movedim(-2, 0).flatten(1).amax(1)  # noqa: E731  (tokens sit on dim -2)
+        moved = torch.maximum(per_token(sk - k), per_token(sv - v))
+        assert moved.shape == (32,) and bool((moved > 0).all()), f"layer {i}: a token kept its init KV"

@@ -76,6 +76,24 @@ def test_shipped_shared_prefix_configs_load():
     assert "edgeprompt-shared" in ev.strategies and ev.shared
 
 
+
+def test_the_shipped_shared_prefix_is_what_its_config_trains():
+    """prefixes/default-k32's manifest records the recipe of configs/distill-shared.yaml (K, sink freeze, optimiser,
+    seed, init text, the training prompts' hash): the command that file documents remakes the shipped prefix."""
+    from edgekv.distill.distill_job import DistillConfig
+    from edgekv.distill.shared import prompts_hash
+    from edgekv.texts import read_prompts
+
+    cfg = load_config(DistillConfig, "distill", ROOT / "configs/distill-shared.yaml", {})
+    info = json.loads((ROOT / "prefixes/default-k32/manifest.json").read_text(encoding="utf-8"))["shared_prefix"]
+    assert info["prompts_sha256"] == prompts_hash(read_prompts(ROOT / cfg.prompts))
+    assert info["steps"] <= cfg.steps and info["targets"] == cfg.shared_targets and info["teacher"] == cfg.teacher
+    assert {k: info[k] for k in ("tokens", "freeze_first", "lr", "batch", "query_loss", "grad_through_prompt",
+                                 "init_text", "seed")} == {
+        "tokens": cfg.shared_tokens, "freeze_first": cfg.freeze_first, "lr": cfg.lr, "batch": cfg.batch,
+        "query_loss": cfg.query_loss, "grad_through_prompt": cfg.grad_through_prompt, "init_text": cfg.shared_init,
+        "seed": cfg.seed}
+
 def test_shipped_config_pairs():
     default = load_config(AlignConfig, "align", ROOT / "configs/default.yaml", {"out": "x"})
     paper = load_config(AlignConfig, "align", ROOT / "configs/opt-6.7b_1.3b.yaml", {"out": "x"})
