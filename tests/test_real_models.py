@@ -81,8 +81,11 @@ def test_the_shipped_shared_prefix_loads_for_the_default_edge_and_is_trained_in_
     shared = SharedPrefix(ROOT / "prefixes" / "default-k32", edge)
     assert shared.tokens == 32 and shared.info["freeze_first"] == 0
     own = prefix_kv(edge.model, torch.tensor(shared.manifest["system_prompt"]["token_ids"]))
+
+    def per_token(d: torch.Tensor) -> torch.Tensor:  # the largest change of each token (tokens on dim −2)
+        return d.abs().movedim(-2, 0).flatten(1).amax(1)
+
     for i, (k, v) in enumerate(own):
         sk, sv = shared.prefix.layer(i)
-        per_token = lambda d: d.abs().movedim(-2, 0).flatten(1).amax(1)  # noqa: E731  (tokens sit on dim -2)
         moved = torch.maximum(per_token(sk - k), per_token(sv - v))
         assert moved.shape == (32,) and bool((moved > 0).all()), f"layer {i}: a token kept its init KV"

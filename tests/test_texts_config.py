@@ -76,10 +76,9 @@ def test_shipped_shared_prefix_configs_load():
     assert "edgeprompt-shared" in ev.strategies and ev.shared
 
 
-
 def test_the_shipped_shared_prefix_is_what_its_config_trains():
     """prefixes/default-k32's manifest records the recipe of configs/distill-shared.yaml (K, sink freeze, optimiser,
-    seed, init text, the training prompts' hash): the command that file documents remakes the shipped prefix."""
+    seed, init text, the training prompts' hash): the file states the recipe the shipped prefix was trained with."""
     from edgekv.distill.distill_job import DistillConfig
     from edgekv.distill.shared import prompts_hash
     from edgekv.texts import read_prompts
@@ -93,6 +92,7 @@ def test_the_shipped_shared_prefix_is_what_its_config_trains():
         "tokens": cfg.shared_tokens, "freeze_first": cfg.freeze_first, "lr": cfg.lr, "batch": cfg.batch,
         "query_loss": cfg.query_loss, "grad_through_prompt": cfg.grad_through_prompt, "init_text": cfg.shared_init,
         "seed": cfg.seed}
+
 
 def test_shipped_config_pairs():
     default = load_config(AlignConfig, "align", ROOT / "configs/default.yaml", {"out": "x"})
