@@ -225,13 +225,13 @@ class PrefixKV(Cache):
         return PrefixKV(out, self.prefix_len, self.segments, next_position=self.next_position)
 
 
-def continuation_logits(model: torch.nn.Module, prefix: PrefixKV, ids: torch.Tensor) -> torch.Tensor:
-    """The model's logits (T, vocab) at each of `ids` read after `prefix` (positions from its `next_position`);
-    differentiable in the prefix's tensors (callers choose no_grad)."""
+def continuation_logits(model: torch.nn.Module, prefix: PrefixKV, ids: torch.Tensor, last: int = 0) -> torch.Tensor:
+    """The model's logits (T, vocab) at each of `ids` read after `prefix` (positions from its `next_position`;
+    `last` > 0: only the last `last` positions'); differentiable in the prefix's tensors (callers choose no_grad)."""
     device = model_device(model)
     positions = torch.arange(prefix.next_position, prefix.next_position + ids.numel(), device=device)[None]
     return model(input_ids=ids[None].to(device), cache=prefix.request_cache(), position_ids=positions,
-                 use_cache=True, **prefix.attention_kwargs()).logits[0]
+                 use_cache=True, logits_to_keep=last, **prefix.attention_kwargs()).logits[0]
 
 
 def continuation_nll(model: torch.nn.Module, prefix: PrefixKV, user: torch.Tensor,

@@ -142,6 +142,7 @@ class Artefacts:
         if self._layers_family != family:
             self._layers_family, self._layers_cache = family, {}
         start = time.perf_counter()
-        report = run_compress(cfg, models=(st.cloud_model(self), self.edge), layers_cache=self._layers_cache)
+        report = run_compress(cfg, models=(st.cloud_model(self), self.edge), layers_cache=self._layers_cache,
+                              teacher=self.cloud if cfg.shared_gate == self.cfg.cloud else None)
         report["cloud_s"] = time.perf_counter() - start + report["timings"].get("cached_cloud_kv_s", 0.0)
         return report

@@ -41,9 +41,9 @@ from edgekv.kv.registry import (
     TRANSLATORS,
     is_fuser,
 )
-from edgekv.kv.shared_prefix import SharedPrefix
+from edgekv.kv.shared_prefix import SharedPrefix, gate
 from edgekv.models.capture import check_kv_reconstruction
-from edgekv.models.loading import LoadedModel, check_tokenizers, load_pair, same_model
+from edgekv.models.loading import LoadedModel, check_tokenizers, load_model, load_pair, same_model
 from edgekv.models.settings import ModelSettings
 from edgekv.models.structure import (
     check_context,
@@ -88,6 +88,9 @@ class CompressConfig(ModelSettings):
     seed: int = seed_setting()
     shared: str | None = setting(None, "A shared prefix (distill --train-shared) the prompt is read after (same "
                                        "model on both sides).")
+    shared_gate: str | None = setting(
+        None, "With --shared: a teacher (the cloud) the prefix is checked against on this prompt; the export "
+              "reads the prefix only when it brings the edge closer to the teacher on the prompt (else none).")
     prompts: str | None = setting(None, "JSONL of {name, system_prompt}: one export each (--catalog).")
     catalog: str | None = setting(None, "Catalog of exports: a folder or fsspec URL (with --prompts).")
     ray: str | None = ray_setting()
@@ -138,6 +141,8 @@ class CompressConfig(ModelSettings):
             raise EdgeKVError("--calib-texts must be ≥ 3 and --calib-tokens ≥ 2 (maps need train/validation/test)")
         if self.start_layer is not None and self.start_layer < 0:
             raise EdgeKVError(f"--start-layer must be ≥ 0, got {self.start_layer}")
+        if self.shared_gate and not self.shared:
+            raise EdgeKVError("--shared-gate checks a shared prefix: give it with --shared")
 
 
 # ---------------------------------------------------------------------------------------------- command
@@ -182,13 +187,21 @@ def resolve_splice(cfg: CompressConfig, cloud: LoadedModel, edge: LoadedModel, s
 ENCODING_KEYS = {"out", "prune_ratio", "quant", "keep_recent", "tar"}
 
 
+def under(shared: SharedPrefix | None, gated: dict | None) -> dict:
+    """The manifest's record of the prefix an export is read under (`under_shared`, with its gate's check when
+    gated) or of the one its gate declined (`shared_declined`); {} for a plain export."""
+    if shared is not None:
+        return {"under_shared": {**shared.describe(), **({"gate": gated} if gated else {})}}
+    return {"shared_declined": gated} if gated else {}
+
+
 def run_compress(cfg: CompressConfig, progress=None, models: tuple[LoadedModel, LoadedModel] | None = None,
-                 layers_cache: dict | None = None) -> dict:
+                 layers_cache: dict | None = None, teacher: LoadedModel | None = None) -> dict:
     """Build the KV export in cfg.out (atomically) and return the report (also written as report.json).
     `models` = (cloud, edge) already loaded (as cfg names them) saves loading them again. `layers_cache` (a dict
     the caller keeps) reuses the cloud-side KV of an earlier call that differed only in ENCODING_KEYS: a sweep
     over ThinK ratios and codecs computes the cloud's KV once; `timings.cached_cloud_kv_s` then says what that
-    computation cost."""
+    computation cost. `teacher`: the `shared_gate` model already loaded."""
     cfg.validate()
     prompt = read_system_prompt(cfg.system_prompt)
     timings: dict[str, float] = {}
@@ -211,6 +224,15 @@ def run_compress(cfg: CompressConfig, progress=None, models: tuple[LoadedModel, 
     reconstruction = None
     if not same and "hidden_in" in TRANSLATORS[cfg.translator].features:  # KV rebuilt by the edge's own block
         reconstruction = check_kv_reconstruction(edge.model, ids[:64])
+    gated = None
+    if cfg.shared_gate:  # the cloud side checks the prefix on this prompt (kv/shared_prefix.py, the gate)
+        start = time.perf_counter()
+        teacher = teacher or load_model(cfg.shared_gate, cfg.dtype, cfg.device_map, cfg.device)
+        check_tokenizers(teacher.tokenizer, edge.tokenizer)
+        gated = gate(shared, edge, teacher, ids)
+        timings["gate_s"] = time.perf_counter() - start
+        if not gated["reads_prefix"]:
+            gated, shared = {**shared.describe(), "gate": gated}, None
     pairs, mapping_source = layer_pairs(cfg.mapping, cfg.start_layer, cloud.num_layers, edge.num_layers, same=same)
     if not pairs:
         raise EdgeKVError("no layer pairs to export (check --start-layer against the mapping)")
@@ -248,7 +270,7 @@ def run_compress(cfg: CompressConfig, progress=None, models: tuple[LoadedModel, 
         local_sink_tokens=0 if same or cfg.splice == "fuse" else min(cfg.local_sink_tokens, n),
         prune={"method": "think", "ratio": cfg.prune_ratio, "window": cfg.window, "keep_recent": cfg.keep_recent,
                "queries": "own window" if same or cfg.map_on == "edge" else "edge calibration windows"},
-        quant=cfg.quant, **({"under_shared": shared.describe()} if shared is not None else {}))
+        quant=cfg.quant, **under(shared, gated))
     if translator is not None:
         manifest["translator"] = {
             "name": translator.name, "applied_on": cfg.map_on, "source": cfg.translator_path or "fitted",
@@ -271,6 +293,8 @@ def run_compress(cfg: CompressConfig, progress=None, models: tuple[LoadedModel, 
         "mean_attn_error_total": mean([r["attn_error_total"] for r in rows]),
         "timings": timings, "config": to_dict(cfg),
     }
+    if cfg.shared_gate:
+        report["shared_gate"] = (manifest.get("under_shared") or manifest["shared_declined"])["gate"]
     if reconstruction is not None:  # the edge's KV rebuilt from its own hidden states: the structure check
         report["kv_reconstruction_max_rel_error"] = reconstruction
     if not same:

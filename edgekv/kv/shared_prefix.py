@@ -7,6 +7,13 @@ It ships as an ordinary KV export (manifest + one safetensors file per layer, sh
 edge or tokenizer) of regime `shared-prefix`, whose manifest says K, the teacher's fingerprint, the training
 prompts' hash and the steps. Its `fingerprint` (the manifest's own sha256) is what anything made under it records.
 With K = 0 every path is EdgePrompt's exactly.
+
+The gate (`compress --shared-gate TEACHER`): a prefix trained once is not good for every prompt (on MMLU's 5-shot
+prompts it is worse than none), so the cloud side may check it on each system prompt before it ships: the export
+is made under the prefix only when the prefix brings the edge's next-token distribution on the prompt's own second
+half closer to the teacher's (KL, the quantity the prefix was trained to lower); otherwise it is a plain export
+that records the prefix it declined, and an edge holding that prefix reads it without. The check reads the system
+prompt only, never a request.
 """
 
 from __future__ import annotations
@@ -16,11 +23,12 @@ from pathlib import Path
 import torch
 
 from edgekv import EdgeKVError
-from edgekv.attention.prefix_kv import PrefixKV
+from edgekv.attention.prefix_kv import PrefixKV, continuation_logits
 from edgekv.kv.codecs import quantize
 from edgekv.kv.export import Expect, KVExport, KVStoreError, export_manifest, tokenizer_fingerprint, write_export
 from edgekv.kv.unpack import decode_layer, edge_kv
 from edgekv.models.loading import LoadedModel
+from edgekv.models.structure import model_device
 
 REGIME = "shared-prefix"
 
@@ -73,16 +81,49 @@ class SharedPrefix:
         return {"path": self.path, "fingerprint": self.fingerprint, "tokens": self.tokens}
 
 
+def mean_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> float:
+    """Mean over rows of KL(teacher ‖ student) (nats) between two (T, vocab) logit tensors, on the vocabulary
+    they share (one tokenizer; a larger model may pad its embedding)."""
+    v = min(teacher_logits.shape[-1], student_logits.shape[-1])
+    t = torch.log_softmax(teacher_logits[..., :v].float(), dim=-1)
+    s = torch.log_softmax(student_logits[..., :v].float(), dim=-1)
+    return float((t.exp() * (t - s)).sum(-1).mean())
 
-def check_made_under(shared: SharedPrefix | None, recorded: dict | None, what: str) -> None:
-    """Refuse `what`, made under the prefix `recorded` (None: under none), unless it is read under that same
-    prefix (`shared`, None: none)."""
-    have = (recorded or {}).get("fingerprint")
+
+@torch.no_grad()
+def gate(shared: SharedPrefix, edge: LoadedModel, teacher: LoadedModel, ids: torch.Tensor) -> dict:
+    """Whether a system prompt (`ids`) is read under the prefix: KL(teacher ‖ edge) on the prompt's second half
+    (the positions that have read at least half of it, as requests read all of it), the edge reading the prompt
+    after the prefix and alone, the teacher reading it alone as in training. Reads the prefix only when that
+    lowers the KL (ties, K = 0 included, read none)."""
+    last = max(1, ids.numel() // 2)
+
+    def logits(m: LoadedModel) -> torch.Tensor:
+        return m.model(input_ids=ids[None].to(model_device(m.model)), logits_to_keep=last).logits[0]
+
+    target, alone = logits(teacher), logits(edge)
+    without = mean_kl(target, alone)
+    under = mean_kl(target, continuation_logits(edge.model, shared.prefix, ids, last)) if shared.tokens else without
+    return {"teacher": teacher.fingerprint, "tokens": last, "kl_without": without, "kl_with": under,
+            "reads_prefix": under < without}
+
+
+def read_under(shared: SharedPrefix | None, manifest: dict, what: str) -> SharedPrefix | None:
+    """The prefix `what` (an export, by its `manifest`) is read under, given the prefix the edge holds (`shared`,
+    None: none): the one it was made under, refused unless that is `shared`; none when its gate declined exactly
+    `shared` (or when the edge holds none)."""
+    declined = (manifest.get("shared_declined") or {}).get("fingerprint")
+    if declined is not None:
+        if shared is not None and shared.fingerprint != declined:
+            raise EdgeKVError(f"{what} was gated against shared prefix {declined[:12]}…, not "
+                              f"{shared.fingerprint[:12]}… ({shared.path})")
+        return None
+    have = (manifest.get("under_shared") or {}).get("fingerprint")
     if shared is None:
-        if recorded:
+        if manifest.get("under_shared"):
             raise EdgeKVError(f"{what} was made under shared prefix {(have or '?')[:12]}…; give it with --shared")
     elif have != shared.fingerprint:
         made = f"under shared prefix {have[:12]}…" if have else "without a shared prefix"
         raise EdgeKVError(f"{what} was made {made}; it cannot be read under shared prefix "
                           f"{shared.fingerprint[:12]}… ({shared.path})")
-
+    return shared

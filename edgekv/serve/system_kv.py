@@ -34,7 +34,7 @@ from edgekv.kv.export import (
     write_copy,
 )
 from edgekv.kv.fusers import Fuser
-from edgekv.kv.shared_prefix import SharedPrefix, check_made_under
+from edgekv.kv.shared_prefix import SharedPrefix, read_under
 from edgekv.kv.unpack import decode_layer, edge_kv
 from edgekv.models.loading import LoadedModel
 from edgekv.models.structure import KVPair, attn_shape, check_context, decoder_layers, model_device
@@ -81,9 +81,9 @@ class SystemKV(PrefixKV):
         self.prefix_len = int(manifest.get("kv_tokens", self.system_ids.numel()))
         self.next_position = int(manifest.get("next_position", self.prefix_len))
         self.distilled = "distilled" in manifest
+        if self.export is not None:  # a gated export that declined this prefix is read without it
+            shared = read_under(shared, manifest, f"the KV export {kv}")
         self.shared, self._joined = shared, {}
-        if self.export is not None:
-            check_made_under(shared, manifest.get("under_shared"), f"the KV export {kv}")
         if shared is not None:
             self.prefix_len += shared.tokens
             self.next_position += shared.tokens

@@ -49,6 +49,18 @@ class EdgePromptShared(EdgePrompt):
 
 
 @register_strategy
+class EdgePromptSharedGated(EdgePromptShared):
+    """EdgePrompt under the shared prefix where the cloud's check of each system prompt says the prefix brings the
+    edge closer to the cloud on it, plain EdgePrompt elsewhere (`compress --shared-gate`): the prefix's "never
+    worse" guard, decided on the system prompt alone."""
+
+    base = "edgeprompt-shared-gated"
+
+    def _compress_config(self, a):
+        return replace(super()._compress_config(a), shared_gate=a.cfg.cloud)
+
+
+@register_strategy
 class PrefixSft(EdgePromptShared):
     """EdgePrompt under a prefix of the same K tokens trained on the training prompts' own labels (`shared_sft`:
     `edgekv distill --train-shared --shared-targets labels`): what labels would give, beside what the cloud gives."""
