@@ -22,13 +22,15 @@ from edgekv.atomic import write_text_atomic
 from edgekv.eval.stats import cell_seed
 
 HELD_OUT = "edgeprompt-shared-held-out-source"  # the prefix trained without this source's prompts (--held-out-source)
-CONDITIONS = {"edgeprompt-shared": "edgeprompt-shared", HELD_OUT: HELD_OUT, "distill": "ce-lslm-distill",
+CONDITIONS = {"edgeprompt-shared": "edgeprompt-shared", "edgeprompt-shared-gated": "edgeprompt-shared-gated",
+              HELD_OUT: HELD_OUT, "distill": "ce-lslm-distill",
               "distill-shared": "ce-lslm-distill-shared", "distill-c8-shared": "ce-lslm-distill-shared@c8",
               "fuse": "ce-lslm-fuse", "notes": "notes", "prefix-sft": "prefix-sft", "oracle-kv": "oracle-kv",
               "cloud": "cloud-only", "edge": "edge-only", "cloud-nosys": "cloud-nosys", "edge-nosys": "edge-nosys"}
 CONTRASTS = {"distill-shared - distill": ("distill-shared", "distill"),
-             "distill-shared - edgeprompt-shared": ("distill-shared", "edgeprompt-shared")}
-SHIPPED = ("edgeprompt-shared", "distill", "distill-shared", "distill-c8-shared", "fuse")
+             "distill-shared - edgeprompt-shared": ("distill-shared", "edgeprompt-shared"),
+             "edgeprompt-shared-gated - edgeprompt-shared": ("edgeprompt-shared-gated", "edgeprompt-shared")}
+SHIPPED = ("edgeprompt-shared", "edgeprompt-shared-gated", "distill", "distill-shared", "distill-c8-shared", "fuse")
 BESIDE = (HELD_OUT, "notes", "prefix-sft", "oracle-kv")  # gap shares reported, never shipped (oracle-kv: a bound)
 SHARED = Spec(CONDITIONS, CONTRASTS, {f"gap_closed_by_{c}": c for c in SHIPPED + BESIDE}, REFERENCE)
 

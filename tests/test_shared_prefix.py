@@ -6,7 +6,9 @@ every path is EdgePrompt exactly; exports made without the prefix are refused un
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,12 +16,12 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from edgekv import EdgeKVError
-from edgekv.attention.prefix_kv import PrefixKV, prefill_after, prefix_kv, read_after
+from edgekv.attention.prefix_kv import PrefixKV, continuation_logits, prefill_after, prefix_kv, read_after
 from edgekv.distill.distill_job import DistillConfig, run_distill
 from edgekv.distill.shared import init_ids, label_samples
 from edgekv.distill.student import sample_loss
 from edgekv.kv.export import KVStoreError
-from edgekv.kv.shared_prefix import SharedPrefix, write_shared_prefix
+from edgekv.kv.shared_prefix import SharedPrefix, gate, mean_kl, write_shared_prefix
 from edgekv.models.loading import load_model
 from edgekv.serve.sampling import SamplingParams
 from edgekv.serve.session import EdgeSession
@@ -170,11 +172,11 @@ def test_bad_input_is_one_line_and_writes_nothing(tiny_models, prompts, tmp_path
     assert not (tmp_path / "o" / "prefix").exists()
 
 
-def _compress(edge_dir, out, shared=None):
+def _compress(edge_dir, out, shared=None, gate_against=None):
     from edgekv.kv.compress_job import CompressConfig, run_compress
 
     run_compress(CompressConfig(out=str(out), cloud=edge_dir, edge=edge_dir, system_prompt=PROMPT, dtype="float32",
-                                quant="fp32", start_layer=0, shared=shared and str(shared)))
+                                quant="fp32", start_layer=0, shared=shared and str(shared), shared_gate=gate_against))
     return out
 
 
@@ -210,6 +212,86 @@ def test_spliced_export_under_the_prefix_equals_the_edge_alone(pair, tiny_models
     assert not (tmp_path / "h").exists()
 
 
+class _UnderPrefix(torch.nn.Module):
+    """A teacher that is the edge reading a prefix: the one the gate must find the prefix brings the edge to."""
+
+    def __init__(self, model, prefix):
+        super().__init__()
+        self.model, self.prefix = model, prefix
+
+    def forward(self, input_ids, logits_to_keep=0):
+        return SimpleNamespace(logits=continuation_logits(self.model, self.prefix, input_ids[0], logits_to_keep)[None])
+
+
+def test_the_gate_reads_the_prefix_only_where_it_brings_the_edge_to_the_teacher(pair, prompts, tmp_path):
+    cloud, edge = pair
+    shared = SharedPrefix(run_distill(_cfg(tmp_path / "t", prompts, steps=2), models=(cloud, edge))["shared"]["out"],
+                          edge)
+    ids = torch.tensor(edge.tokenizer(PROMPT)["input_ids"])
+    # the edge itself as teacher: without the prefix the KL is 0, so any prefix is declined
+    own = gate(shared, edge, edge, ids)
+    assert own["kl_without"] == 0.0 < own["kl_with"] and not own["reads_prefix"] and own["tokens"] == ids.numel() // 2
+    # a teacher that is the edge under the prefix: the prefix takes the edge there exactly, so it is read
+    teacher = SimpleNamespace(model=_UnderPrefix(edge.model, shared.prefix), fingerprint="edge-under-prefix")
+    under = gate(shared, edge, teacher, ids)
+    assert under["kl_with"] < 1e-6 < under["kl_without"] and under["reads_prefix"]
+    # the KL itself: 0 on equal rows, the textbook value on a two-way distribution, on the shared vocabulary
+    p, q = torch.tensor([[0.0, 0.0]]), torch.log(torch.tensor([[0.25, 0.75]]))
+    assert mean_kl(p, p) == 0.0 and abs(mean_kl(p, q) - 0.5 * math.log(0.5 / 0.25) - 0.5 * math.log(0.5 / 0.75)) < 1e-6
+    assert mean_kl(torch.cat([p, torch.tensor([[9.0]])], -1), q) == pytest.approx(mean_kl(p, q))
+
+
+def test_a_gated_export_that_declined_the_prefix_is_edgeprompt_read_without_it(pair, tiny_models, prompts, tmp_path):
+    from edgekv.kv.export import KVExport
+
+    cloud, edge = pair
+    trained = run_distill(_cfg(tmp_path / "t", prompts, steps=2), models=(cloud, edge))["shared"]["out"]
+    other = run_distill(_cfg(tmp_path / "o", prompts, steps=0, shared_tokens=4), models=(cloud, edge))["shared"]["out"]
+    r = runner.invoke(app, ["compress", "--cloud", tiny_models["edge"], "--edge", tiny_models["edge"], "--dtype",
+                            "float32", "--quant", "fp32", "--start-layer", "0", "--system-prompt", PROMPT,
+                            "--shared", trained, "--shared-gate", tiny_models["edge"], "--out", str(tmp_path / "g")])
+    assert r.exit_code == 0, r.output
+    manifest = json.loads((tmp_path / "g" / "manifest.json").read_text())
+    assert "under_shared" not in manifest and manifest["shared_declined"]["fingerprint"] == \
+        SharedPrefix(trained, edge).fingerprint and not manifest["shared_declined"]["gate"]["reads_prefix"]
+    gated, plain = KVExport(tmp_path / "g"), KVExport(_compress(tiny_models["edge"], tmp_path / "p"))
+    for i in plain.layer_indices:  # EdgePrompt's own export, bit for bit
+        for name, t in plain.layer(i).items():
+            assert torch.equal(t, gated.layer(i)[name])
+    params = SamplingParams(max_new_tokens=12)
+    want = EdgeSession(edge, str(tmp_path / "p"), cache_dir=tmp_path / "c0").complete("User: hi", params).token_ids
+    for holds in (SharedPrefix(trained, edge), None):  # the edge holding the declined prefix reads without it
+        s = EdgeSession(edge, str(tmp_path / "g"), cache_dir=tmp_path / "c1", shared=holds)
+        assert s.prefix_len == manifest["system_prompt"]["num_tokens"]
+        assert s.complete("User: hi", params).token_ids == want
+    with pytest.raises(EdgeKVError, match="gated against shared prefix"):
+        EdgeSession(edge, str(tmp_path / "g"), cache_dir=tmp_path / "c2", shared=SharedPrefix(other, edge))
+    # a gate without a prefix to check: one line, nothing written
+    r = runner.invoke(app, ["compress", "--cloud", tiny_models["edge"], "--edge", tiny_models["edge"],
+                            "--system-prompt", PROMPT, "--shared-gate", tiny_models["edge"], "--out",
+                            str(tmp_path / "bad")])
+    assert r.exit_code != 0 and "--shared-gate checks a shared prefix" in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "bad").exists()
+
+
+def test_a_batch_into_a_catalog_gates_each_prompt(pair, tiny_models, prompts, tmp_path):
+    from edgekv.kv.batch_compress import run_compress_batch
+    from edgekv.kv.catalog import Catalog
+    from edgekv.kv.compress_job import CompressConfig
+
+    cloud, edge = pair
+    trained = run_distill(_cfg(tmp_path / "t", prompts, steps=2), models=(cloud, edge))["shared"]["out"]
+    done = run_compress_batch(CompressConfig(cloud=tiny_models["edge"], edge=tiny_models["edge"], dtype="float32",
+                                             quant="fp32", start_layer=0, prompts=str(prompts),
+                                             catalog=str(tmp_path / "cat"), shared=trained,
+                                             shared_gate=tiny_models["edge"]))
+    assert (done["computed"], done["failed"]) == (len(TOPICS), [])
+    catalog = Catalog(str(tmp_path / "cat"))
+    for row in catalog.entries():  # the edge as its own teacher declines every prompt, and each export says so
+        gated = json.loads(catalog.fs.cat_file(f"{catalog.root}/{row['key']}/manifest.json"))["shared_declined"]
+        assert gated["gate"]["kl_without"] == 0.0 < gated["gate"]["kl_with"]
+
+
 def test_the_planner_measures_an_export_under_its_prefix(pair, tiny_models, prompts, tmp_path):
     """`edgekv plan`'s candidate from an export made under a shared prefix: the export names the prefix, its bytes
     are the prompt's alone (the prefix ships once), and its cold TTFT reads the export under it, as the edge does."""
@@ -236,10 +318,13 @@ def test_k0_compress_is_edgeprompt_exactly(pair, tiny_models, tmp_path):
     empty = [(k[0, :, :0], v[0, :, :0]) for k, v in prefix_kv(edge.model, torch.tensor([1, 2]))]
     write_shared_prefix(tmp_path / "k0", edge, empty, torch.tensor([], dtype=torch.long), {"steps": 0})
     under = KVExport(_compress(tiny_models["edge"], tmp_path / "a", tmp_path / "k0"))
+    gated = KVExport(_compress(tiny_models["edge"], tmp_path / "g", tmp_path / "k0", tiny_models["cloud"]))
     plain = KVExport(_compress(tiny_models["edge"], tmp_path / "b"))
+    assert gated.manifest["shared_declined"]["gate"]["kl_with"] == gated.manifest["shared_declined"]["gate"][
+        "kl_without"]  # K = 0 changes nothing, and a tie reads no prefix
     for i in plain.layer_indices:
         for name, t in plain.layer(i).items():
-            assert torch.equal(t, under.layer(i)[name])
+            assert torch.equal(t, under.layer(i)[name]) and torch.equal(t, gated.layer(i)[name])
 
 
 def test_eval_edgeprompt_shared(pair, tiny_models, prompts, tmp_path):
@@ -256,7 +341,7 @@ def test_eval_edgeprompt_shared(pair, tiny_models, prompts, tmp_path):
     cfg = dict(out=str(tmp_path / "run"), cloud=tiny_models["cloud"], edge=tiny_models["edge"], dtype="float32",
                limit=2, max_new_tokens=4, datasets=["xsum"], xsum_source=str(xsum), min_system_tokens=8,
                strategies=["edgeprompt", "edgeprompt-shared", "ce-lslm-distill-shared@c4", "oracle-kv", "cloud-nosys",
-                           "edge-nosys", "notes", "prefix-sft"],
+                           "edge-nosys", "notes", "prefix-sft", "edgeprompt-shared-gated"],
                distill_config=str(distill), notes_instruction="\nNotes:", notes_tokens=8)
     with pytest.raises(EdgeKVError, match="needs shared"):
         EvalConfig(**cfg).validate()
@@ -267,7 +352,7 @@ def test_eval_edgeprompt_shared(pair, tiny_models, prompts, tmp_path):
     run_eval(EvalConfig(**cfg, shared=shared, shared_sft=sft), models=(cloud, edge))
     rows = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
     by = {(r["strategy"], r["id"]): r for r in rows}
-    assert len(rows) == 16
+    assert len(rows) == 18
     for (s, i), r in by.items():
         if s == "oracle-kv":  # trained on the request's own reference: a bound, its cloud seconds counted
             assert r["cloud_s"] > 0 and r["ref_nll"] != by[("edgeprompt", i)]["ref_nll"]
@@ -281,6 +366,11 @@ def test_eval_edgeprompt_shared(pair, tiny_models, prompts, tmp_path):
             assert r["system_tokens"] == 0
         if s.startswith("ce-lslm-distill-shared"):  # P/4 student tokens after the prefix's 6
             assert r["system_tokens"] == 6 + -(-(by[("edgeprompt", i)]["system_tokens"]) // 4) and r["cloud_s"] > 0
+        if s == "edgeprompt-shared-gated":  # each request answered exactly as one of the two paths its gate chose
+            ep = by[("edgeprompt", i)]
+            chosen = by[("edgeprompt-shared", i)] if r["system_tokens"] == ep["system_tokens"] + 6 else ep
+            assert r["system_tokens"] == chosen["system_tokens"] and r["ref_nll"] == chosen["ref_nll"]
+            assert r["bytes_cloud_to_edge"] == ep["bytes_cloud_to_edge"] and r["cloud_s"] > 0
         if s == "edgeprompt-shared":  # K more tokens read, the same prompt bytes shipped
             assert r["system_tokens"] == by[("edgeprompt", i)]["system_tokens"] + 6
             assert r["bytes_cloud_to_edge"] == by[("edgeprompt", i)]["bytes_cloud_to_edge"]

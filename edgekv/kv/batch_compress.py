@@ -13,7 +13,7 @@ from edgekv.config import to_dict
 from edgekv.kv.catalog import Catalog, export_key
 from edgekv.kv.compress_job import CompressConfig, run_compress
 from edgekv.kv.export import token_ids_sha256
-from edgekv.models.loading import check_tokenizers, load_pair
+from edgekv.models.loading import check_tokenizers, load_model, load_pair
 from edgekv.models.packaged import files_sha256
 from edgekv.progress import Tasks
 from edgekv.texts import read_prompts
@@ -46,6 +46,7 @@ class PromptWorker:
         self.cloud, self.edge = models if models is not None else load_pair(
             cfg.cloud, cfg.edge, cfg.dtype, cfg.device_map, cfg.device, cfg.weights)
         check_tokenizers(self.cloud.tokenizer, self.edge.tokenizer)
+        self.teacher = load_model(cfg.shared_gate, cfg.dtype, cfg.device_map, cfg.device) if cfg.shared_gate else None
 
     def __call__(self, item: tuple[str, str]) -> dict:
         """{status: computed | repaired | skipped, row}; the entry is written (a damaged one again), the index left
@@ -60,7 +61,7 @@ class PromptWorker:
         with tempfile.TemporaryDirectory(prefix="edgekv-batch-") as tmp:
             one = replace(self.cfg, out=str(Path(tmp) / "kv"), system_prompt=prompt, prompts=None, catalog=None,
                           tar=False, ray=None, workers=1)
-            run_compress(one, None, (self.cloud, self.edge))
+            run_compress(one, None, (self.cloud, self.edge), teacher=self.teacher)
             row = self.catalog.put(key, name, Path(tmp) / "kv", sha, index=False)
         return {"status": "repaired" if before == "damaged" else "computed", "row": row}
 
