@@ -71,6 +71,26 @@ def share_of_oracle(rows: list[dict], conditions: dict[str, str]) -> dict:
     return out
 
 
+def gate_split(rows: list[dict]) -> dict:
+    """Per source, where the gate (`edgeprompt-shared-gated`) read the prefix (its request read more tokens than
+    EdgePrompt's) and where it declined it, with the ungated prefix's mean Δ vs EdgePrompt on each part: a gate
+    worth its cloud seconds declines where the prefix hurts and reads where it helps."""
+    out: dict[str, dict] = {}
+    for source in dict.fromkeys(r["dataset"] for r in rows):
+        by = {(r["strategy"], r["id"]): r for r in rows if r["dataset"] == source}
+        parts: dict[str, list[float]] = {"read": [], "declined": []}
+        for (s, i), g in by.items():
+            ep, shared = by.get(("edgeprompt", i)), by.get(("edgeprompt-shared", i))
+            if s != "edgeprompt-shared-gated" or ep is None or shared is None:
+                continue
+            part = "read" if g["system_tokens"] > ep["system_tokens"] else "declined"
+            parts[part].append(shared["ref_nll"] - ep["ref_nll"])
+        if parts["read"] or parts["declined"]:
+            out[source] = {part: {"n": len(d), "ungated_delta_mean": sum(d) / len(d) if d else None}
+                           for part, d in parts.items()}
+    return out
+
+
 def with_variants(spec: Spec, names: list[str], against: str | None = None) -> Spec:
     """`spec` plus one condition per prefix variant (edgeprompt-shared under another prefix), its gap share, and its
     paired contrast with the shipped prefix, or with variant `against` (an ablation's control: trained on the same
@@ -116,6 +136,8 @@ def main() -> None:
         raise SystemExit(f"error: {exc}") from None
     rows = [json.loads(line) for line in (args.out / "rows.jsonl").read_text(encoding="utf-8").splitlines() if line]
     extra = {"decomposition": decomposition(rows), "share_of_oracle": share_of_oracle(rows, spec.conditions)}
+    if gates := gate_split(rows):
+        extra["gate"] = gates
     if args.prefix is not None:
         report = json.loads((args.prefix / "report.json").read_text(encoding="utf-8"))
         manifest = json.loads((Path(report["out"]) / "manifest.json").read_text(encoding="utf-8"))

@@ -438,6 +438,23 @@ def test_report_pairs_conditions_and_decomposes_the_lead():
     assert d["cloud_lead_without_prompt"] == pytest.approx(1.1) and d["prompt_saves_edge"] == pytest.approx(0.5)
 
 
+def test_report_splits_the_gates_requests_by_what_it_chose():
+    from bench.shared_prefix_report import gate_split
+
+    rows = []
+    for i, (helps, reads) in enumerate([(-0.3, True), (-0.1, True), (0.2, False), (-0.4, False)]):
+        rows += [{"dataset": "mmlu", "id": str(i), "strategy": "edgeprompt", "ref_nll": 1.0, "system_tokens": 10},
+                 {"dataset": "mmlu", "id": str(i), "strategy": "edgeprompt-shared", "ref_nll": 1.0 + helps,
+                  "system_tokens": 42},
+                 {"dataset": "mmlu", "id": str(i), "strategy": "edgeprompt-shared-gated",
+                  "ref_nll": 1.0 + helps * reads, "system_tokens": 42 if reads else 10}]
+    split = gate_split(rows)["mmlu"]
+    assert split["read"]["n"] == split["declined"]["n"] == 2
+    assert split["read"]["ungated_delta_mean"] == pytest.approx(-0.2)
+    assert split["declined"]["ungated_delta_mean"] == pytest.approx(-0.1)
+    assert gate_split([r for r in rows if r["strategy"] != "edgeprompt-shared-gated"]) == {}
+
+
 def test_report_keeps_a_source_a_strategy_skipped_and_relabels_a_runs_prefix(tmp_path, monkeypatch):
     """A strategy run on one source only (oracle-kv on XSum) leaves the other source's requests in the report; the
     same strategy from a run under another prefix (--held-out-source) is its own condition, not a duplicate."""
