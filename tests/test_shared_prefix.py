@@ -18,7 +18,7 @@ from cli.main import app
 from edgekv import EdgeKVError
 from edgekv.attention.prefix_kv import PrefixKV, continuation_logits, prefill_after, prefix_kv, read_after
 from edgekv.distill.distill_job import DistillConfig, run_distill
-from edgekv.distill.shared import init_ids, label_samples
+from edgekv.distill.shared import init_ids, label_samples, text_sample
 from edgekv.distill.student import sample_loss
 from edgekv.kv.export import KVStoreError
 from edgekv.kv.shared_prefix import SharedPrefix, gate, mean_kl, write_shared_prefix
@@ -593,3 +593,21 @@ def test_prefix_sft_learns_the_labels_without_a_cloud(pair, tiny_models, prompts
         {"name": "b", "system_prompt": "System: y."}) + "\n")
     with pytest.raises(EdgeKVError, match="needs 'labels'"):
         run_distill(_cfg(tmp_path / "b", bad, shared_targets="labels", held_prompts=1), models=pair)
+
+
+def test_text_targets_are_the_teachers_own_second_half(pair, prompts, tmp_path):
+    cloud, edge = pair
+    ids = torch.tensor(edge.tokenizer(PROMPT)["input_ids"])
+    first, sample = text_sample(edge, ids, top_k=8)
+    h = ids.numel() // 2
+    assert torch.equal(first, ids[:h]) and torch.equal(torch.cat([sample.user, sample.answer]), ids[h:])
+    assert sample.top_ids.shape == (ids.numel() - h - 1, 8) and sample.answer_from == 0
+    # the edge as its own teacher, reading the first half as the teacher did: the rows line up, the KL is zero
+    with torch.no_grad():
+        assert float(sample_loss(edge, PrefixKV.of_model(edge.model, first), sample)) < 1e-5
+    # and a real teacher trains a prefix that brings the edge closer on held-out prompts' second halves
+    s = run_distill(_cfg(tmp_path, prompts, shared_targets="text", batch=1, steps=16),
+                    models=(cloud, edge))["shared"]["shared_prefix"]
+    assert s["targets"] == "text" and s["held_out_kl"] < s["initial_held_out_kl"]
+    with pytest.raises(EdgeKVError, match="teacher, labels or text"):
+        _cfg(tmp_path / "b", prompts, shared_targets="prose").validate()

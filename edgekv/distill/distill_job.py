@@ -130,7 +130,8 @@ class DistillConfig(ModelSettings):
     grad_through_prompt: bool = setting(True, "Shared prefix: the gradient runs through the prompt's prefill after "
                                               "the prefix.", toggle="--grad-through-prompt/--prompt-kv-constant")
     shared_targets: str = setting("teacher", "The shared prefix learns the cloud's top-k on synthetic exchanges "
-                                             "(teacher) or the prompts' own labels (labels: prefix-sft).")
+                                             "(teacher), on the prompts' own second halves (text), or the prompts' "
+                                             "own labels (labels: prefix-sft).")
     label_tokens: int = 64  # prefix-sft: reference tokens trained on (the eval scores the first 64)
     catalog: str | None = setting(None, "Also put each export in this catalog (folder or fsspec URL).")
     ray: str | None = ray_setting()
@@ -179,8 +180,8 @@ class DistillConfig(ModelSettings):
             if self.on_policy:
                 raise EdgeKVError("--train-shared uses teacher answers only (--on-policy 0): on-policy samples are "
                                   "drawn from a per-prompt student")
-            if self.shared_targets not in ("teacher", "labels"):
-                raise EdgeKVError(f"--shared-targets must be teacher or labels, got '{self.shared_targets}'")
+            if self.shared_targets not in ("teacher", "labels", "text"):
+                raise EdgeKVError(f"--shared-targets must be teacher, labels or text, got '{self.shared_targets}'")
             if self.shared_tokens < 0 or self.held_prompts < 1 or self.held_samples < 1:
                 raise EdgeKVError("--shared-tokens must be ≥ 0, --held-prompts and held_samples ≥ 1")
 

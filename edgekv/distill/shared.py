@@ -11,6 +11,11 @@ runs through that prefill too, unless `grad_through_prompt` is off: then the pro
 is a constant of the step) and the loss is the top-k KL of `student.sample_loss`. Whole training prompts are held
 out for early stopping. The result is a `shared-prefix` export (`edgekv.kv.shared_prefix`).
 
+`shared_targets: text` needs no generation at all: the teacher reads each training prompt once, and the edge,
+reading the prompt's first half after the prefix, learns the teacher's top-k on every token of the second half (one
+sample a prompt, so `batch: 1`). It is the cheapest teacher data there is, a prompt's worth of targets for one
+forward pass, and it is the quantity the gate (`kv/shared_prefix.py`) checks.
+
 `shared_targets: labels` is `prefix-sft`, the reference a reviewer asks for: the same K tokens trained by
 next-token loss on the training prompts' own (user, reference) pairs (the JSONL's `labels`), labels the cloud path
 never needs; a one-hot target through the same top-k KL is exactly that cross-entropy.
@@ -99,6 +104,17 @@ def label_samples(edge: LoadedModel, labels: list[dict], tokens: int) -> list[Sa
     return out
 
 
+@torch.no_grad()
+def text_sample(teacher: LoadedModel, ids: torch.Tensor, top_k: int) -> tuple[torch.Tensor, Sample]:
+    """`shared_targets: text`: (the prompt's first half, which the edge reads after the prefix; its second half as
+    one sample whose targets are the teacher's top-k reading the whole prompt alone). One teacher forward, no
+    generation: every token of the second half is a target."""
+    h = ids.numel() // 2
+    logits = teacher.model(input_ids=ids[None].to(model_device(teacher.model)), logits_to_keep=ids.numel() - h)
+    top_logp, top_ids = torch.log_softmax(logits.logits[0, :-1].float(), -1).topk(top_k, dim=-1)
+    return ids[:h], Sample("text", ids[h:h + 1], ids[h + 1:], top_ids.cpu(), top_logp.cpu())
+
+
 def prompt_labels(path: str) -> dict[str, list[dict]]:
     """name → the (user, reference) pairs of a training prompts JSONL (its `labels`)."""
     out = {}
@@ -133,6 +149,14 @@ def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel | None, prompts: lis
     if cfg.shared_targets == "labels":  # prefix-sft: no teacher at all
         labels = prompt_labels(cfg.prompts)
         sets = [label_samples(edge, labels[name], cfg.label_tokens) for name, _ in prompts]
+    elif cfg.shared_targets == "text":  # the edge reads a prompt's first half and learns the teacher on the rest
+        advance = tasks.task("teacher reads the prompts", len(prompts))
+        for k, ((name, _), t) in enumerate(zip(prompts, ids)):
+            if t.numel() < 4:
+                raise EdgeKVError(f"{name}: shared_targets text needs a system prompt of at least 4 tokens")
+            ids[k], sample = text_sample(teacher, t, cfg.top_k)
+            sets.append([sample])
+            advance()
     else:
         for (name, _), t in zip(prompts, ids):  # the teacher reads each prompt alone: no prefix on its side
             samples, _ = synthetic_set(cfg, teacher, edge, None, t, out / "synthetic" / name, tasks)
