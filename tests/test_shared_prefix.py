@@ -21,8 +21,9 @@ from edgekv.distill.distill_job import DistillConfig, run_distill
 from edgekv.distill.shared import init_ids, label_samples, text_sample
 from edgekv.distill.student import sample_loss
 from edgekv.kv.export import KVStoreError
-from edgekv.kv.shared_prefix import SharedPrefix, gate, mean_kl, write_shared_prefix
+from edgekv.kv.shared_prefix import SharedPrefix, gate, write_shared_prefix
 from edgekv.models.loading import load_model
+from edgekv.models.targets import mean_kl
 from edgekv.serve.sampling import SamplingParams
 from edgekv.serve.session import EdgeSession
 from tests.helpers import PROMPT, make_export

@@ -14,7 +14,7 @@ out for early stopping. The result is a `shared-prefix` export (`edgekv.kv.share
 `shared_targets: text` needs no generation at all: the teacher reads each training prompt once, and the edge,
 reading the prompt's first half after the prefix, learns the teacher's top-k on every token of the second half (one
 sample a prompt, so `batch: 1`). It is the cheapest teacher data there is, a prompt's worth of targets for one
-forward pass, and it is the quantity the gate (`kv/shared_prefix.py`) checks.
+forward pass; the gate (`kv/shared_prefix.py`) checks much the same KL, on the same half of a prompt.
 
 `shared_targets: labels` is `prefix-sft`, the reference a reviewer asks for: the same K tokens trained by
 next-token loss on the training prompts' own (user, reference) pairs (the JSONL's `labels`), labels the cloud path
@@ -40,6 +40,7 @@ from edgekv.kv.shared_prefix import write_shared_prefix
 from edgekv.kv.train_loop import example_index
 from edgekv.models.loading import LoadedModel
 from edgekv.models.structure import attn_shape, model_device
+from edgekv.models.targets import top_targets
 from edgekv.plots import loss_curve
 from edgekv.progress import Tasks
 from edgekv.texts import jsonl_records, read_text, reference_ids
@@ -111,7 +112,7 @@ def text_sample(teacher: LoadedModel, ids: torch.Tensor, top_k: int) -> tuple[to
     generation: every token of the second half is a target."""
     h = ids.numel() // 2
     logits = teacher.model(input_ids=ids[None].to(model_device(teacher.model)), logits_to_keep=ids.numel() - h)
-    top_logp, top_ids = torch.log_softmax(logits.logits[0, :-1].float(), -1).topk(top_k, dim=-1)
+    top_logp, top_ids = top_targets(logits.logits[0, :-1], top_k)
     return ids[:h], Sample("text", ids[h:h + 1], ids[h + 1:], top_ids.cpu(), top_logp.cpu())
 
 

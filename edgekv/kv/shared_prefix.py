@@ -29,6 +29,7 @@ from edgekv.kv.export import Expect, KVExport, KVStoreError, export_manifest, to
 from edgekv.kv.unpack import decode_layer, edge_kv
 from edgekv.models.loading import LoadedModel
 from edgekv.models.structure import model_device
+from edgekv.models.targets import mean_kl
 
 REGIME = "shared-prefix"
 
@@ -79,15 +80,6 @@ class SharedPrefix:
     def describe(self) -> dict:
         """What a manifest or report records of the prefix it was made under."""
         return {"path": self.path, "fingerprint": self.fingerprint, "tokens": self.tokens}
-
-
-def mean_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> float:
-    """Mean over rows of KL(teacher ‖ student) (nats) between two (T, vocab) logit tensors, on the vocabulary
-    they share (one tokenizer; a larger model may pad its embedding)."""
-    v = min(teacher_logits.shape[-1], student_logits.shape[-1])
-    t = torch.log_softmax(teacher_logits[..., :v].float(), dim=-1)
-    s = torch.log_softmax(student_logits[..., :v].float(), dim=-1)
-    return float((t.exp() * (t - s)).sum(-1).mean())
 
 
 @torch.no_grad()

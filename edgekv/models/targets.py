@@ -1,6 +1,7 @@
 """A teacher's targets and the distillation loss on them, defined once: the top-k log-probs of each position, and
 the exact KL over the outcomes {each of the top-k ids, the rest} (fuser training, translator training, the
-distilled student, the batched teacher's scoring)."""
+distilled student, the batched teacher's scoring), and the full-vocabulary KL between two logit tensors (the shared
+prefix's gate)."""
 
 from __future__ import annotations
 
@@ -20,3 +21,12 @@ def topk_kl(logits: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor)
     p_rest_mass = (1 - top_logp.exp().sum(-1)).clamp_min(1e-12)
     kl = (top_logp.exp() * (top_logp - q_top)).sum(-1) + p_rest_mass * (p_rest_mass.log() - q_rest)
     return kl.mean()
+
+
+def mean_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> float:
+    """Mean over rows of KL(teacher ‖ student) (nats) between two (T, vocab) logit tensors, on the vocabulary
+    they share (one tokenizer; a larger model may pad its embedding)."""
+    v = min(teacher_logits.shape[-1], student_logits.shape[-1])
+    t = torch.log_softmax(teacher_logits[..., :v].float(), dim=-1)
+    s = torch.log_softmax(student_logits[..., :v].float(), dim=-1)
+    return float((t.exp() * (t - s)).sum(-1).mean())
