@@ -187,12 +187,13 @@ def resolve_splice(cfg: CompressConfig, cloud: LoadedModel, edge: LoadedModel, s
 ENCODING_KEYS = {"out", "prune_ratio", "quant", "keep_recent", "tar"}
 
 
-def under(shared: SharedPrefix | None, gated: dict | None) -> dict:
-    """The manifest's record of the prefix an export is read under (`under_shared`, with its gate's check when
-    gated) or of the one its gate declined (`shared_declined`); {} for a plain export."""
-    if shared is not None:
-        return {"under_shared": {**shared.describe(), **({"gate": gated} if gated else {})}}
-    return {"shared_declined": gated} if gated else {}
+def under(shared: SharedPrefix | None, check: dict | None) -> dict:
+    """The manifest's record of the prefix an export is read under (`under_shared`, with the gate's `check` when
+    gated), or of the one the gate declined (`shared_declined`); {} for a plain export."""
+    if shared is None:
+        return {}
+    record = {**shared.describe(), **({"gate": check} if check else {})}
+    return {"shared_declined" if check and not check["reads_prefix"] else "under_shared": record}
 
 
 def run_compress(cfg: CompressConfig, progress=None, models: tuple[LoadedModel, LoadedModel] | None = None,
@@ -224,15 +225,15 @@ def run_compress(cfg: CompressConfig, progress=None, models: tuple[LoadedModel, 
     reconstruction = None
     if not same and "hidden_in" in TRANSLATORS[cfg.translator].features:  # KV rebuilt by the edge's own block
         reconstruction = check_kv_reconstruction(edge.model, ids[:64])
-    gated = None
+    check, read = None, shared  # `read`: the prefix the export is made and read under (None when declined)
     if cfg.shared_gate:  # the cloud side checks the prefix on this prompt (kv/shared_prefix.py, the gate)
         start = time.perf_counter()
         teacher = teacher or load_model(cfg.shared_gate, cfg.dtype, cfg.device_map, cfg.device)
         check_tokenizers(teacher.tokenizer, edge.tokenizer)
-        gated = gate(shared, edge, teacher, ids)
+        check = gate(shared, edge, teacher, ids)
         timings["gate_s"] = time.perf_counter() - start
-        if not gated["reads_prefix"]:
-            gated, shared = {**shared.describe(), "gate": gated}, None
+        if not check["reads_prefix"]:
+            read = None
     pairs, mapping_source = layer_pairs(cfg.mapping, cfg.start_layer, cloud.num_layers, edge.num_layers, same=same)
     if not pairs:
         raise EdgeKVError("no layer pairs to export (check --start-layer against the mapping)")
@@ -244,7 +245,7 @@ def run_compress(cfg: CompressConfig, progress=None, models: tuple[LoadedModel, 
         side = layers_cache[key]
         timings["cached_cloud_kv_s"] = sum(side.timings.values())
     else:
-        side = cloud_side(cfg, cloud, edge, ids, pairs, mapping_source, same, tasks, shared)
+        side = cloud_side(cfg, cloud, edge, ids, pairs, mapping_source, same, tasks, read)
         timings.update(side.timings)
         if layers_cache is not None:
             layers_cache[key] = side
@@ -270,7 +271,7 @@ def run_compress(cfg: CompressConfig, progress=None, models: tuple[LoadedModel, 
         local_sink_tokens=0 if same or cfg.splice == "fuse" else min(cfg.local_sink_tokens, n),
         prune={"method": "think", "ratio": cfg.prune_ratio, "window": cfg.window, "keep_recent": cfg.keep_recent,
                "queries": "own window" if same or cfg.map_on == "edge" else "edge calibration windows"},
-        quant=cfg.quant, **under(shared, gated))
+        quant=cfg.quant, **under(shared, check))
     if translator is not None:
         manifest["translator"] = {
             "name": translator.name, "applied_on": cfg.map_on, "source": cfg.translator_path or "fitted",
@@ -293,8 +294,8 @@ def run_compress(cfg: CompressConfig, progress=None, models: tuple[LoadedModel, 
         "mean_attn_error_total": mean([r["attn_error_total"] for r in rows]),
         "timings": timings, "config": to_dict(cfg),
     }
-    if cfg.shared_gate:
-        report["shared_gate"] = (manifest.get("under_shared") or manifest["shared_declined"])["gate"]
+    if check is not None:
+        report["shared_gate"] = check
     if reconstruction is not None:  # the edge's KV rebuilt from its own hidden states: the structure check
         report["kv_reconstruction_max_rel_error"] = reconstruction
     if not same:
