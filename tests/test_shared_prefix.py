@@ -5,6 +5,7 @@ every path is EdgePrompt exactly; exports made without the prefix are refused un
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -163,6 +164,7 @@ def test_refusals(pair, tiny_models, prompts, tmp_path):
     (["--train-shared", "--system-prompt", "hi"], "--prompts"),
     (["--train-shared", "--on-policy", "0.5"], "teacher answers only"),
     (["--train-shared", "--held-prompts", "6"], "more than --held-prompts"),
+    (["--train-shared", "--lr-schedule", "linear"], "--lr-schedule must be constant or cosine"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tiny_models, prompts, tmp_path, args, message):
     if "--system-prompt" not in args:
@@ -599,7 +601,7 @@ def test_prefix_sft_learns_the_labels_without_a_cloud(pair, tiny_models, prompts
 def test_text_targets_are_the_teachers_own_second_half(pair, prompts, tmp_path):
     cloud, edge = pair
     ids = torch.tensor(edge.tokenizer(PROMPT)["input_ids"])
-    first, sample = text_sample(edge, ids, top_k=8)
+    first, sample, _ = text_sample(edge, ids, top_k=8)
     h = ids.numel() // 2
     assert torch.equal(first, ids[:h]) and torch.equal(torch.cat([sample.user, sample.answer]), ids[h:])
     assert sample.top_ids.shape == (ids.numel() - h - 1, 8) and sample.answer_from == 0
@@ -612,3 +614,32 @@ def test_text_targets_are_the_teachers_own_second_half(pair, prompts, tmp_path):
     assert s["targets"] == "text" and s["held_out_kl"] < s["initial_held_out_kl"]
     with pytest.raises(EdgeKVError, match="teacher, labels or text"):
         _cfg(tmp_path / "b", prompts, shared_targets="prose").validate()
+
+
+def test_text_targets_are_kept_so_a_rerun_needs_no_teacher(pair, prompts, tmp_path):
+    cloud, edge = pair
+    kept = tmp_path / "targets"
+    first = run_distill(_cfg(tmp_path / "a", prompts, shared_targets="text", batch=1, steps=8,
+                             synthetic_dir=str(kept)), models=(cloud, edge))["shared"]
+    assert first["targets_read_back"] == 0 and len(list(kept.glob("*/text.json"))) == len(TOPICS)
+
+    class NoForward(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))  # a device to be on
+
+        def forward(self, *args, **kwargs):
+            raise AssertionError("the teacher ran although its targets were kept")
+
+    silent = dataclasses.replace(cloud, model=NoForward())
+    again = run_distill(_cfg(tmp_path / "b", prompts, shared_targets="text", batch=1, steps=8,
+                             synthetic_dir=str(kept)), models=(silent, edge))["shared"]
+    assert again["targets_read_back"] == len(TOPICS)
+    a, b = (SharedPrefix(r["out"], edge).prefix for r in (first, again))
+    for i in range(a.num_layers):  # the same targets train the same prefix, bit for bit
+        assert all(torch.equal(x, y) for x, y in zip(a.layer(i), b.layer(i)))
+    # another teacher's targets are not this one's: it reads the prompts again
+    other = dataclasses.replace(cloud, model=NoForward(), fingerprint="another-teacher")
+    with pytest.raises(AssertionError, match="its targets were kept"):
+        run_distill(_cfg(tmp_path / "c", prompts, shared_targets="text", batch=1, steps=8, synthetic_dir=str(kept)),
+                    models=(other, edge))

@@ -11,7 +11,8 @@ runs through that prefill too, unless `grad_through_prompt` is off: then the pro
 is a constant of the step) and the loss is the top-k KL of `student.sample_loss`. Whole training prompts are held
 out for early stopping. The result is a `shared-prefix` export (`edgekv.kv.shared_prefix`).
 
-`shared_targets: text` needs no generation at all: the teacher reads each training prompt once, and the edge,
+`shared_targets: text` needs no generation at all: the teacher reads each training prompt once (its targets kept
+beside the prompt's synthetic set, so a later run on the same prompts needs no teacher), and the edge,
 reading the prompt's first half after the prefix, learns the teacher's top-k on every token of the second half (one
 sample a prompt, so `batch: 1`). It is the cheapest teacher data there is, a prompt's worth of targets for one
 forward pass; the gate (`kv/shared_prefix.py`) checks much the same KL, on the same half of a prompt.
@@ -34,8 +35,9 @@ from edgekv import EdgeKVError
 from edgekv.atomic import write_text_atomic
 from edgekv.attention.prefix_kv import PrefixKV, joined, prefill_after, prefix_kv, read_after
 from edgekv.distill.student import Student, sample_loss, train_prefix
-from edgekv.distill.synthetic import synthetic_set
+from edgekv.distill.synthetic import keep_set, kept_set, synthetic_set
 from edgekv.distill.teacher import Sample
+from edgekv.kv.export import token_ids_sha256
 from edgekv.kv.shared_prefix import write_shared_prefix
 from edgekv.kv.train_loop import example_index
 from edgekv.models.loading import LoadedModel
@@ -105,15 +107,35 @@ def label_samples(edge: LoadedModel, labels: list[dict], tokens: int) -> list[Sa
     return out
 
 
+TEXT = "text"  # .json + .safetensors beside a prompt's synthetic set: its text targets
+
+
 @torch.no_grad()
-def text_sample(teacher: LoadedModel, ids: torch.Tensor, top_k: int) -> tuple[torch.Tensor, Sample]:
-    """`shared_targets: text`: (the prompt's first half, which the edge reads after the prefix; its second half as
-    one sample whose targets are the teacher's top-k reading the whole prompt alone). One teacher forward, no
-    generation: every token of the second half is a target."""
+def text_targets(teacher: LoadedModel, ids: torch.Tensor, top_k: int, where: Path | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The teacher's top-k (ids, log-probs) reading the whole prompt alone, on the rows predicting its second half's
+    tokens after the first; kept in `where` per teacher and prompt (and whether they were read back from there)."""
     h = ids.numel() // 2
+    key = {"teacher": teacher.fingerprint, "top_k": top_k, "prompt_sha256": token_ids_sha256(ids.tolist()),
+           "targets_from": h}
+    if where is not None and (kept := kept_set(where, TEXT, key)) is not None:
+        return kept[1]["top_ids"], kept[1]["top_logp"], True
     logits = teacher.model(input_ids=ids[None].to(model_device(teacher.model)), logits_to_keep=ids.numel() - h)
-    top_logp, top_ids = top_targets(logits.logits[0, :-1], top_k)
-    return ids[:h], Sample("text", ids[h:h + 1], ids[h + 1:], top_ids.cpu(), top_logp.cpu())
+    top_logp, top_ids = (t.cpu().contiguous() for t in top_targets(logits.logits[0, :-1], top_k))
+    if where is not None:
+        where.mkdir(parents=True, exist_ok=True)
+        keep_set(where, TEXT, {"top_ids": top_ids, "top_logp": top_logp}, {"key": key})
+    return top_ids, top_logp, False
+
+
+def text_sample(teacher: LoadedModel, ids: torch.Tensor, top_k: int, where: Path | None = None
+                ) -> tuple[torch.Tensor, Sample, bool]:
+    """`shared_targets: text`: (the prompt's first half, which the edge reads after the prefix; its second half as
+    one sample whose targets are the teacher's top-k reading the whole prompt alone; whether those were read back
+    from `where`). One teacher forward, no generation: every token of the second half is a target."""
+    h = ids.numel() // 2
+    top_ids, top_logp, kept = text_targets(teacher, ids, top_k, where)
+    return ids[:h], Sample("text", ids[h:h + 1], ids[h + 1:], top_ids, top_logp), kept
 
 
 def prompt_labels(path: str) -> dict[str, list[dict]]:
@@ -146,6 +168,7 @@ def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel | None, prompts: lis
             raise EdgeKVError(f"{name}: the system prompt is empty")
         ids.append(t)
     sets: list[list[Sample]] = []
+    read_back = 0  # text targets an earlier run of this teacher kept (their seconds are not in teach_s)
     start = time.perf_counter()
     if cfg.shared_targets == "labels":  # prefix-sft: no teacher at all
         labels = prompt_labels(cfg.prompts)
@@ -155,7 +178,9 @@ def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel | None, prompts: lis
         for k, ((name, _), t) in enumerate(zip(prompts, ids)):
             if t.numel() < 4:
                 raise EdgeKVError(f"{name}: shared_targets text needs a system prompt of at least 4 tokens")
-            ids[k], sample = text_sample(teacher, t, cfg.top_k)
+            where = Path(cfg.synthetic_dir or out / "synthetic") / name
+            ids[k], sample, kept = text_sample(teacher, t, cfg.top_k, where)
+            read_back += kept
             sets.append([sample])
             advance()
     else:
@@ -195,12 +220,13 @@ def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel | None, prompts: lis
             "best_step": best["step"], "held_out_kl": best["kl"],
             "initial_held_out_kl": log_[0].get("held_out_kl") if log_ else None,
             "no_prefix_held_out_kl": held_kl(prefixed=False),  # EdgePrompt: the edge reading the prompt alone
-            "lr": cfg.lr, "batch": cfg.batch,
+            "lr": cfg.lr, **({"lr_schedule": cfg.lr_schedule} if cfg.lr_schedule != "constant" else {}),
+            "batch": cfg.batch,
             "freeze_first": student.freeze_first, "query_loss": cfg.query_loss,
             "grad_through_prompt": cfg.grad_through_prompt, "init_text": cfg.shared_init, "seed": cfg.seed}
     path = write_shared_prefix(out / "prefix", edge, student.kv(), first, info, cfg.quant)
     report = {"out": str(path), "shared_prefix": info, "teach_s": teach_s, "train_s": train_s,
-              "synthetic_samples": sum(map(len, sets)), "log": log_}
+              "targets_read_back": read_back, "synthetic_samples": sum(map(len, sets)), "log": log_}
     if log_:
         loss_curve(log_, out / "loss_curve.png", f"shared prefix: K={cfg.shared_tokens}, {len(train_idx)} prompts")
     write_text_atomic(out / "report.json", json.dumps(report, indent=1))

@@ -42,7 +42,7 @@ def synthetic_set(cfg: Any, teacher: LoadedModel, edge: LoadedModel, student: St
         key.update(student=edge.fingerprint, length=student.tokens, rule=cfg.rule)
         if getattr(cfg, "shared", None):  # the student read after a shared prefix samples other answers
             key["shared"] = cfg.shared
-    if (kept := _kept(where, SYNTHETIC, key)) is not None:
+    if (kept := kept_set(where, SYNTHETIC, key)) is not None:
         meta, t = kept
         return _samples(t, meta["seed"], meta["policy"]), meta
     seconds: dict[str, float] = {}
@@ -91,7 +91,7 @@ def synthetic_set(cfg: Any, teacher: LoadedModel, edge: LoadedModel, student: St
             "generate_s": sum(seconds.values()) - seconds.get("score_s", 0.0), "targets_s": seconds.get("score_s", 0.0),
             "supervised_tokens": int(sum(s.answer.numel() for s in samples)),
             "query_tokens": int(sum(s.user.numel() for s in samples))}
-    _keep(where, SYNTHETIC, _tensors(samples), meta)
+    keep_set(where, SYNTHETIC, _tensors(samples), meta)
     return samples, meta
 
 
@@ -99,26 +99,26 @@ def _write_teacher_part(where: Path, key: dict, samples: list[Sample], left: lis
                         teach_s: float) -> None:
     """Keep the teacher's answered samples and the queries it left to the student."""
     tensors = _tensors(samples) | {f"left{n}.user": user.clone().contiguous() for n, (_, user) in enumerate(left)}
-    _keep(where, TEACHER_PART, tensors,
+    keep_set(where, TEACHER_PART, tensors,
           {"key": key, "seed": [s.seed for s in samples], "left": [kind for kind, _ in left], "teach_s": teach_s})
 
 
 def _read_teacher_part(where: Path, key: dict) -> tuple[list[Sample], list[tuple[str, torch.Tensor]], float] | None:
     """The teacher's share kept under this key, or None."""
-    if (kept := _kept(where, TEACHER_PART, key)) is None:
+    if (kept := kept_set(where, TEACHER_PART, key)) is None:
         return None
     meta, t = kept
     samples = _samples(t, meta["seed"], ["teacher"] * len(meta["seed"]))
     return samples, [(kind, t[f"left{n}.user"]) for n, kind in enumerate(meta["left"])], meta["teach_s"]
 
 
-def _keep(where: Path, stem: str, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+def keep_set(where: Path, stem: str, tensors: dict[str, torch.Tensor], meta: dict) -> None:
     """Write `stem`'s tensors, then its JSON (with the key), each atomically: the JSON last marks the pair whole."""
     write_tensors_atomic(where / f"{stem}.safetensors", tensors)
     write_text_atomic(where / f"{stem}.json", json.dumps(meta))
 
 
-def _kept(where: Path, stem: str, key: dict) -> tuple[dict, dict[str, torch.Tensor]] | None:
+def kept_set(where: Path, stem: str, key: dict) -> tuple[dict, dict[str, torch.Tensor]] | None:
     """`stem`'s JSON and tensors kept in `where` under this key, or None."""
     meta_path, tensor_path = where / f"{stem}.json", where / f"{stem}.safetensors"
     if not (meta_path.exists() and tensor_path.exists()):
