@@ -71,3 +71,29 @@ def test_an_early_stop_hears_the_evaluation_of_its_own_step():
     trainee = Trainee([{"params": [w]}], lambda step: (w - 1).pow(2).sum(), evaluate=evaluate)
     log = train_loop(trainee, 12, 0.1, every=2, stop=lambda step: step - best["step"] >= 2 * 2)
     assert best["step"] == 6 and log[-1]["step"] == 10  # 6 improved; 8 and 10 did not: stop there
+
+
+
+def test_a_schedule_sets_each_steps_rate_and_resumes_exactly(tmp_path):
+    import math
+
+    from edgekv.kv.train_loop import Trainee, cosine, train_loop
+
+    assert cosine(8)(0) == 1.0 and cosine(8)(8) == 0.0 and math.isclose(cosine(8)(2), (1 + math.cos(math.pi / 4)) / 2)
+    target = torch.tensor([3.0, -2.0, 0.5])
+
+    def run(w, steps, schedule, checkpoint=None):
+        trainee = Trainee([{"params": [w]}], lambda step: ((w - target) ** 2 * (1 + step % 3)).sum())
+        return train_loop(trainee, steps, 0.1, checkpoint, every=2, schedule=schedule)
+
+    # Adam's first update is lr · sign(grad): the full 0.1 at step 0; a rate of 0 from step 1 on moves nothing more
+    w = torch.zeros(3)
+    run(w, 5, lambda step: 1.0 if step == 0 else 0.0)
+    assert torch.allclose(w, 0.1 * torch.sign(target))
+    straight, half, again, constant = (torch.zeros(3) for _ in range(4))
+    run(straight, 8, cosine(8))
+    run(half, 4, cosine(8), tmp_path / "ck")
+    run(again, 8, cosine(8), tmp_path / "ck")  # a fresh process: the state and the step come from the checkpoint
+    assert torch.equal(again, straight)
+    run(constant, 8, None)
+    assert not torch.equal(constant, straight)  # the schedule changed the rates

@@ -20,7 +20,7 @@ from edgekv import EdgeKVError
 from edgekv.atomic import write_tensors_atomic, write_text_atomic
 from edgekv.attention.prefix_kv import PrefixKV, continuation_logits, joined, prefill_after, prefix_kv
 from edgekv.distill.teacher import Sample
-from edgekv.kv.train_loop import Trainee, example_index, train_loop
+from edgekv.kv.train_loop import Trainee, cosine, example_index, train_loop
 from edgekv.models.loading import LoadedModel
 from edgekv.models.targets import topk_kl
 from edgekv.progress import Tasks
@@ -165,9 +165,9 @@ def train_student(cfg: Any, edge: LoadedModel, student: Student, train: list[Sam
 
 def train_prefix(cfg: Any, edge: LoadedModel, student: Student, loss: Callable[[int], torch.Tensor],
                  held_kl: Callable[[], float], checkpoint: Path, tasks: Tasks, title: str) -> tuple[list[dict], dict]:
-    """train_loop on a trainable prefix (`cfg`: lr, steps, eval_every, patience) with the step's `loss`; the
-    held-out KL every `eval_every` steps; the best held-out state is kept (in the checkpoint, so a resumed run
-    knows it) and restored at the end; stops after `patience` evaluations without improvement."""
+    """train_loop on a trainable prefix (`cfg`: lr, lr_schedule, steps, eval_every, patience) with the step's
+    `loss`; the held-out KL every `eval_every` steps; the best held-out state is kept (in the checkpoint, so a
+    resumed run knows it) and restored at the end; stops after `patience` evaluations without improvement."""
     if cfg.steps > 0 and edge.quantization and edge.quantization.get("quantized"):
         raise EdgeKVError("training a KV (per prompt or shared) needs the gradient through the edge, and its "
                           "quantized linears have no backward: load the edge with --weights bf16")
@@ -194,7 +194,9 @@ def train_prefix(cfg: Any, edge: LoadedModel, student: Student, loss: Callable[[
     stop = lambda step: step - best["step"] >= cfg.patience * cfg.eval_every  # noqa: E731
     log_ = []
     if cfg.steps:
-        log_ = train_loop(trainee, cfg.steps, cfg.lr, checkpoint, cfg.eval_every, tasks.task(title, cfg.steps), stop)
+        schedule = cosine(cfg.steps) if cfg.lr_schedule == "cosine" else None
+        log_ = train_loop(trainee, cfg.steps, cfg.lr, checkpoint, cfg.eval_every, tasks.task(title, cfg.steps), stop,
+                          schedule)
     if not snapshot and best_path.exists():
         snapshot.update(load_file(str(best_path)))
     with torch.no_grad():

@@ -6,6 +6,7 @@ fuser gates, a distilled prefix KV) and its loss are the caller's; the loop, its
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,11 @@ def example_index(step: int, n: int, seed: int) -> int:
     """A fresh seeded permutation per epoch: the order of step s never depends on how many steps are asked for."""
     epoch = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + step // n))
     return int(epoch[step % n])
+
+
+def cosine(steps: int) -> Callable[[int], float]:
+    """The learning rate's factor at step s (0-based): half a cosine from 1 to 0 over `steps`."""
+    return lambda step: 0.5 * (1 + math.cos(math.pi * min(step, steps) / max(steps, 1)))
 
 
 def optimizer_tensors(params: list[torch.Tensor], opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -91,10 +97,12 @@ def _load(path: Path, trainee: Trainee, opt: torch.optim.Optimizer) -> tuple[int
 
 def train_loop(trainee: Trainee, steps: int, lr: float, checkpoint: str | Path | None = None, every: int = 50,
                on_step: Callable[[int, dict], None] | None = None,
-               stop: Callable[[int], bool] | None = None) -> list[dict]:
+               stop: Callable[[int], bool] | None = None,
+               schedule: Callable[[int], float] | None = None) -> list[dict]:
     """Run `steps` steps of Adam (resuming from `checkpoint` when it holds a state); held-out numbers at step 0
     of a fresh run, every `every` steps and at the end; a checkpoint every `every` steps and at the end;
-    `stop(step)` may end early (a time budget). Returns the log, one entry per step."""
+    `stop(step)` may end early (a time budget); `schedule(step)` scales each group's learning rate (a function of
+    the step alone, so a resumed run takes the same rates). Returns the log, one entry per step."""
     for model in trainee.frozen:
         for p in model.parameters():
             p.requires_grad_(False)
@@ -102,6 +110,7 @@ def train_loop(trainee: Trainee, steps: int, lr: float, checkpoint: str | Path |
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.Adam(trainee.groups, lr=lr)
+    base_lrs = [g["lr"] for g in opt.param_groups]
     start, log = _load(Path(checkpoint), trainee, opt) if checkpoint else (0, [])
     held = lambda step: {f"held_out_{k}": v for k, v in trainee.evaluate(step).items()}  # noqa: E731
     if start == 0 and trainee.evaluate is not None:
@@ -111,6 +120,9 @@ def train_loop(trainee: Trainee, steps: int, lr: float, checkpoint: str | Path |
             value = trainee.loss(step)
             opt.zero_grad()
             value.backward()
+            if schedule is not None:
+                for g, base in zip(opt.param_groups, base_lrs):
+                    g["lr"] = base * schedule(step)
             if trainee.clip is not None:
                 torch.nn.utils.clip_grad_norm_(params, trainee.clip)
             opt.step()
