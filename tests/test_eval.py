@@ -471,6 +471,12 @@ def test_distilled_strategies_run_and_truncate_is_edgeprompt_of_the_head(tiny_mo
     pooled = distill_costs([out, shard])
     assert pooled["xsum/ce-lslm-distill"]["n"] == 2 and set(pooled) == set(costs)
     assert distill_costs([shard])["xsum/ce-lslm-distill"]["n"] == 1
+    # a recipe recorded before a setting existed (its default keeps the old behaviour) resumes
+    config = json.loads((out / "config.json").read_text())
+    del config["distill_recipe"]["lr_schedule"]
+    (out / "config.json").write_text(json.dumps(config))
+    run_eval(_cfg(tiny_models, data, align_dir, out, strategies=strategies, datasets=["xsum"],
+                  distill_config=str(distill)))
     # the recipe file changed under the same path: its rows are not resumed
     before = (out / "results.jsonl").read_text()
     distill.write_text(distill.read_text().replace("steps: 2", "steps: 5"))

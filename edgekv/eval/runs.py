@@ -74,10 +74,18 @@ def check_resumable(out: Path, cfg) -> None:
     except (OSError, json.JSONDecodeError) as exc:
         raise EdgeKVError(f"{path}: unreadable ({exc}); pass another --out") from exc
     now = run_settings(cfg)
-    differ = sorted(k for k in now if k not in RESUMABLE_KEYS and k in before and before[k] != now[k])
+    differ = sorted(k for k in now if k not in RESUMABLE_KEYS and k in before and _differs(before[k], now[k]))
     if differ:
         raise EdgeKVError(f"{out}/results.jsonl was made with other settings ({', '.join(differ)}); "
                           "pass another --out, or delete it to start over")
+
+
+def _differs(before, now) -> bool:
+    """Whether a recorded setting differs from today's. A key the recorded run lacks (a setting added since, its
+    default keeping the old behaviour) is no difference, at the top level as in the distill recipe."""
+    if isinstance(before, dict) and isinstance(now, dict):
+        return any(k in before and _differs(before[k], v) for k, v in now.items()) or any(k not in now for k in before)
+    return before != now
 
 
 def canonical(rows: list[dict], order: dict[tuple[str, str], tuple[int, int]], strategies: list[str]) -> list[dict]:
