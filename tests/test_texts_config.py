@@ -91,6 +91,7 @@ def test_the_shipped_shared_prefix_is_what_its_config_trains():
     setting = {"tokens": "shared_tokens", "init_text": "shared_init"}  # manifest keys named apart from the config's
     recipe = ("tokens", "freeze_first", "lr", "batch", "query_loss", "grad_through_prompt", "init_text", "seed")
     assert {k: info[k] for k in recipe} == {k: getattr(cfg, setting.get(k, k)) for k in recipe}
+    assert info.get("lr_schedule", "constant") == cfg.lr_schedule  # recorded only when not constant
 
 
 def test_shipped_config_pairs():
