@@ -81,8 +81,9 @@ def check_resumable(out: Path, cfg) -> None:
 
 
 def _differs(before, now) -> bool:
-    """Whether a recorded setting differs from today's. A key the recorded run lacks (a setting added since, its
-    default keeping the old behaviour) is no difference, at the top level as in the distill recipe."""
+    """Whether a recorded setting differs from today's. Inside a dict (the distill recipe), a key the recorded run
+    lacks (a setting added since, its default keeping the old behaviour) is no difference, as at the top level; a
+    key only the recorded run has is one (a removed entry of a dict-valued setting changes what runs)."""
     if isinstance(before, dict) and isinstance(now, dict):
         return any(k in before and _differs(before[k], v) for k, v in now.items()) or any(k not in now for k in before)
     return before != now
