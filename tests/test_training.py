@@ -73,7 +73,6 @@ def test_an_early_stop_hears_the_evaluation_of_its_own_step():
     assert best["step"] == 6 and log[-1]["step"] == 10  # 6 improved; 8 and 10 did not: stop there
 
 
-
 def test_a_schedule_sets_each_steps_rate_and_resumes_exactly(tmp_path):
     import math
 

@@ -34,6 +34,7 @@ from edgekv.distill.student import (
     RULES,
     Student,
     initial_student,
+    rate_info,
     split_samples,
     train_student,
 )
@@ -244,8 +245,7 @@ def distill_one(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, nam
         "answer_tokens": int(sum(s.answer.numel() for s in samples)),
         "supervised_tokens": int(sum(s.answer.numel() + (s.user.numel() - 1) * cfg.query_loss for s in train)),
         "on_policy_samples": sum(s.policy == "student" for s in samples), "seed": cfg.seed, "seeds": cfg.seeds,
-        "freeze_first": cfg.freeze_first, "query_loss": cfg.query_loss, "batch": cfg.batch, "lr": cfg.lr,
-        **({"lr_schedule": cfg.lr_schedule} if cfg.lr_schedule != "constant" else {})})
+        "freeze_first": cfg.freeze_first, "query_loss": cfg.query_loss, "batch": cfg.batch, **rate_info(cfg)})
     report.update({k: meta.get(k) for k in ("generate_s", "targets_s", "prefill_s", "teach_s", "student_s",
                                             "score_s")}, train_s=train_s, log=log_)
     if log_:

@@ -34,7 +34,7 @@ import torch
 from edgekv import EdgeKVError
 from edgekv.atomic import write_text_atomic
 from edgekv.attention.prefix_kv import PrefixKV, joined, prefill_after, prefix_kv, read_after
-from edgekv.distill.student import Student, sample_loss, train_prefix
+from edgekv.distill.student import Student, rate_info, sample_loss, train_prefix
 from edgekv.distill.synthetic import keep_set, kept_set, synthetic_set
 from edgekv.distill.teacher import Sample
 from edgekv.kv.export import token_ids_sha256
@@ -111,31 +111,25 @@ TEXT = "text"  # .json + .safetensors beside a prompt's synthetic set: its text 
 
 
 @torch.no_grad()
-def text_targets(teacher: LoadedModel, ids: torch.Tensor, top_k: int, where: Path | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """The teacher's top-k (ids, log-probs) reading the whole prompt alone, on the rows predicting its second half's
-    tokens after the first; kept in `where` per teacher and prompt (and whether they were read back from there)."""
-    h = ids.numel() // 2
-    key = {"teacher": teacher.fingerprint, "top_k": top_k, "prompt_sha256": token_ids_sha256(ids.tolist()),
-           "targets_from": h}
-    if where is not None and (kept := kept_set(where, TEXT, key)) is not None:
-        return kept[1]["top_ids"], kept[1]["top_logp"], True
-    logits = teacher.model(input_ids=ids[None].to(model_device(teacher.model)), logits_to_keep=ids.numel() - h)
-    top_logp, top_ids = (t.cpu().contiguous() for t in top_targets(logits.logits[0, :-1], top_k))
-    if where is not None:
-        where.mkdir(parents=True, exist_ok=True)
-        keep_set(where, TEXT, {"top_ids": top_ids, "top_logp": top_logp}, {"key": key})
-    return top_ids, top_logp, False
-
-
 def text_sample(teacher: LoadedModel, ids: torch.Tensor, top_k: int, where: Path | None = None
                 ) -> tuple[torch.Tensor, Sample, bool]:
     """`shared_targets: text`: (the prompt's first half, which the edge reads after the prefix; its second half as
     one sample whose targets are the teacher's top-k reading the whole prompt alone; whether those were read back
-    from `where`). One teacher forward, no generation: every token of the second half is a target."""
+    from `where`, where they are kept per teacher and prompt). One teacher forward, no generation: every token of
+    the second half is a target."""
     h = ids.numel() // 2
-    top_ids, top_logp, kept = text_targets(teacher, ids, top_k, where)
-    return ids[:h], Sample("text", ids[h:h + 1], ids[h + 1:], top_ids, top_logp), kept
+    key = {"teacher": teacher.fingerprint, "top_k": top_k, "prompt_sha256": token_ids_sha256(ids.tolist()),
+           "targets_from": h}
+    kept = kept_set(where, TEXT, key) if where is not None else None
+    if kept is not None:
+        top_ids, top_logp = kept[1]["top_ids"], kept[1]["top_logp"]
+    else:
+        logits = teacher.model(input_ids=ids[None].to(model_device(teacher.model)), logits_to_keep=ids.numel() - h)
+        top_logp, top_ids = (t.cpu().contiguous() for t in top_targets(logits.logits[0, :-1], top_k))
+        if where is not None:
+            where.mkdir(parents=True, exist_ok=True)
+            keep_set(where, TEXT, {"top_ids": top_ids, "top_logp": top_logp}, {"key": key})
+    return ids[:h], Sample("text", ids[h:h + 1], ids[h + 1:], top_ids, top_logp), kept is not None
 
 
 def prompt_labels(path: str) -> dict[str, list[dict]]:
@@ -220,8 +214,7 @@ def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel | None, prompts: lis
             "best_step": best["step"], "held_out_kl": best["kl"],
             "initial_held_out_kl": log_[0].get("held_out_kl") if log_ else None,
             "no_prefix_held_out_kl": held_kl(prefixed=False),  # EdgePrompt: the edge reading the prompt alone
-            "lr": cfg.lr, **({"lr_schedule": cfg.lr_schedule} if cfg.lr_schedule != "constant" else {}),
-            "batch": cfg.batch,
+            **rate_info(cfg), "batch": cfg.batch,
             "freeze_first": student.freeze_first, "query_loss": cfg.query_loss,
             "grad_through_prompt": cfg.grad_through_prompt, "init_text": cfg.shared_init, "seed": cfg.seed}
     path = write_shared_prefix(out / "prefix", edge, student.kv(), first, info, cfg.quant)
