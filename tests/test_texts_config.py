@@ -112,3 +112,23 @@ def test_config_errors(tmp_path):
         load_config(AlignConfig, "align", typo, {"out": "x"})
     with pytest.raises(EdgeKVError, match="--tau-cka must be in"):
         load_config(AlignConfig, "align", None, {"out": "x", "tau_cka": 2.0})
+
+
+def test_shared_prefix_training_prompts_hold_no_eval_text():
+    """The shared prefix's newest training prompts quote no request the eval could draw (ShareGPT repeats
+    conversations under new ids: 7 of the first 120 from record 8,000 did), and the check sees such a repeat."""
+    from bench.shared_prefix_prompts import eval_quotes, quotes_eval
+    from edgekv.models.loading import load_tokenizer
+    from edgekv.texts import jsonl_records, read_text
+
+    quotes = eval_quotes(load_tokenizer("default-edge"))
+    path = ROOT / "reports/shared-prefix/train-948.jsonl"
+    records = [r for _, r in jsonl_records(read_text(str(path), "prompts").splitlines(), str(path))]
+    assert len(records) == 948 and not [r["name"] for r in records if quotes_eval(r, quotes)]
+    old = ROOT / "reports/shared-prefix/train-509.jsonl"  # made before the check: its leaks are named in its README
+    leaks = {r["name"] for _, r in jsonl_records(read_text(str(old), "prompts").splitlines(), str(old))
+             if quotes_eval(r, quotes)}
+    assert leaks == {"sharegpt-bpxAZiq_9", "sharegpt-IL8zzNA_0", "sharegpt-hQzbwdG_13", "sharegpt-Zomqrzj_5",
+                     "sharegpt-tn1RADp_0", "sharegpt-dAhCOSi_15", "sharegpt-i66WgfA_0"}
+    clean = records[0]
+    assert quotes_eval({**clean, "system_prompt": clean["system_prompt"] + quotes[len(quotes) // 2]}, quotes)

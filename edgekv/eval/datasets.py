@@ -91,6 +91,12 @@ def _mmlu_question(row: dict) -> str:
     return f"{row['question'].strip()}{options}\nAnswer:"
 
 
+def mmlu_system(subject: str, shots: list[dict]) -> str:
+    """The 5-shot system prompt of MMLU's format: a subject's header, then each shot's question and gold letter."""
+    return f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n" + \
+        "".join(f"{_mmlu_question(s)} {LETTERS[int(s['answer'])]}\n\n" for s in shots)
+
+
 @register("mmlu")
 def mmlu(source: str | None = None) -> list[Request]:
     """MMLU: the subject's dev examples → system (shared by the subject's questions), question → user."""
@@ -106,9 +112,7 @@ def mmlu(source: str | None = None) -> list[Request]:
     for n, r in enumerate(test):
         try:
             subject = r["subject"]
-            name = subject.replace("_", " ")
-            system = f"The following are multiple choice questions (with answers) about {name}.\n\n" + "".join(
-                f"{_mmlu_question(s)} {LETTERS[int(s['answer'])]}\n\n" for s in shots.get(subject, []))
+            system = mmlu_system(subject, shots.get(subject, []))
             answer = int(r["answer"])
             # ref. NLL scores the gold letter as the few-shot format continues ("Answer: D"); scoring the option
             # text too would measure the answer's format (a letter, or a letter and the copied option), not
