@@ -143,8 +143,11 @@ def main() -> None:
         manifest = json.loads((Path(report["out"]) / "manifest.json").read_text(encoding="utf-8"))
         extra["shared_prefix"] = {**report["shared_prefix"], "teach_s": report["teach_s"],
                                   "train_s": report["train_s"], "synthetic_samples": report["synthetic_samples"],
-                                  # text targets read back from an earlier run: their teacher seconds are not in teach_s
+                                  # text targets read back from an earlier run: teach_s holds their recorded seconds,
+                                  # except for the unrecorded ones (kept before the record existed)
                                   "targets_read_back": report.get("targets_read_back", 0),
+                                  "targets_read_back_unrecorded_s": report.get("targets_read_back_unrecorded_s"),
+                                  "train_s_all_processes": report.get("train_s_all_processes"),
                                   "bytes": sum(e["bytes"] for e in manifest["layers"]),
                                   "fingerprint": manifest["manifest_sha256"]}
     summary = {**summary, **extra}

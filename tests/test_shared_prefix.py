@@ -81,10 +81,12 @@ def test_training_lowers_held_out_kl_resumes_bit_exactly_and_ships(pair, prompts
     assert s["no_prefix_held_out_kl"] > 0  # the same exchanges read without any prefix (EdgePrompt)
     assert len(s["held_out_prompts"]) == 2 and not set(s["held_out_prompts"]) & set(s["train_prompts"])
     assert (tmp_path / "a" / "s" / "loss_curve.png").stat().st_size > 0
-    run_distill(_cfg(tmp_path / "b", prompts, steps=4), models=(cloud, edge))
+    first = run_distill(_cfg(tmp_path / "b", prompts, steps=4), models=(cloud, edge))["shared"]
     (tmp_path / "b" / "s" / "report.json").unlink()  # not done: the next run goes on from step 4
     again = run_distill(_cfg(tmp_path / "b", prompts), models=(cloud, edge))["shared"]
     assert again["shared_prefix"]["held_out_kl"] == s["held_out_kl"]
+    # the report's training seconds are both processes', not the finishing one's
+    assert again["train_s_all_processes"] and again["train_s"] > first["train_s"] > 0
     a, b = SharedPrefix(straight["out"], edge), SharedPrefix(again["out"], edge)
     assert a.tokens == 6 and a.info["prompts_sha256"] == b.info["prompts_sha256"]
     for i in range(edge.num_layers):
@@ -601,7 +603,7 @@ def test_prefix_sft_learns_the_labels_without_a_cloud(pair, tiny_models, prompts
 def test_text_targets_are_the_teachers_own_second_half(pair, prompts, tmp_path):
     cloud, edge = pair
     ids = torch.tensor(edge.tokenizer(PROMPT)["input_ids"])
-    first, sample, _ = text_sample(edge, ids, top_k=8)
+    first, sample, _, _ = text_sample(edge, ids, top_k=8)
     h = ids.numel() // 2
     assert torch.equal(first, ids[:h]) and torch.equal(torch.cat([sample.user, sample.answer]), ids[h:])
     assert sample.top_ids.shape == (ids.numel() - h - 1, 8) and sample.answer_from == 0
@@ -634,7 +636,9 @@ def test_text_targets_are_kept_so_a_rerun_needs_no_teacher(pair, prompts, tmp_pa
     silent = dataclasses.replace(cloud, model=NoForward())
     again = run_distill(_cfg(tmp_path / "b", prompts, shared_targets="text", batch=1, steps=8,
                              synthetic_dir=str(kept)), models=(silent, edge))["shared"]
-    assert again["targets_read_back"] == len(TOPICS)
+    assert again["targets_read_back"] == len(TOPICS) and again["targets_read_back_unrecorded_s"] == 0
+    recorded = sum(json.loads(p.read_text())["teach_s"] for p in kept.glob("*/text.json"))
+    assert recorded <= first["teach_s"] and again["teach_s"] >= recorded > 0  # the teacher's seconds, kept with them
     a, b = (SharedPrefix(r["out"], edge).prefix for r in (first, again))
     for i in range(a.num_layers):  # the same targets train the same prefix, bit for bit
         assert all(torch.equal(x, y) for x, y in zip(a.layer(i), b.layer(i)))

@@ -1,5 +1,7 @@
 """The trained translator on a tiny model pair: training lowers held-out KL, and resuming is exact."""
 
+import json
+
 import torch
 
 from bench.translator_training import kl_loss, prepare, train
@@ -48,10 +50,26 @@ def test_resume_is_exact(calib_file, tmp_path):
     resumed = TrainedTranslator.from_hidden(hidden)
     train(edge, resumed, examples, m=1, steps=4, lr=1e-3, checkpoint=tmp_path / "ck", every=2)
     again = TrainedTranslator.from_hidden(hidden)  # a fresh process: state comes from the checkpoint only
+    first = json.loads((tmp_path / "ck" / "progress.json").read_text())["seconds"]
     log = train(edge, again, examples, m=1, steps=8, lr=1e-3, checkpoint=tmp_path / "ck", every=2)
     assert [e["step"] for e in log] == list(range(1, 9))
     for i in straight.maps:
         assert torch.equal(again.maps[i].weight, straight.maps[i].weight)
+    # the seconds go on from the first process's: a report of the resumed run counts both
+    assert log[3]["seconds"] == first > 0 and log[-1]["seconds"] > first
+    assert json.loads((tmp_path / "ck" / "progress.json").read_text())["seconds"] == log[-1]["seconds"]
+
+
+def test_a_checkpoint_from_before_the_seconds_were_kept_says_none(calib_file, tmp_path):
+    cloud, edge, hidden, texts = _setup(tmp_path, calib_file)
+    trained = TrainedTranslator.from_hidden(hidden)
+    examples = prepare(edge, cloud, texts[:4], trained, "cloud")
+    train(edge, trained, examples, m=1, steps=2, lr=1e-3, checkpoint=tmp_path / "ck", every=2)
+    progress = json.loads((tmp_path / "ck" / "progress.json").read_text())
+    del progress["seconds"]
+    (tmp_path / "ck" / "progress.json").write_text(json.dumps(progress))
+    log = train(edge, trained, examples, m=1, steps=4, lr=1e-3, checkpoint=tmp_path / "ck", every=2)
+    assert log[-1]["step"] == 4 and log[-1]["seconds"] is None
 
 
 def test_an_early_stop_hears_the_evaluation_of_its_own_step():

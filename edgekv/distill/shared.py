@@ -112,24 +112,27 @@ TEXT = "text"  # .json + .safetensors beside a prompt's synthetic set: its text 
 
 @torch.no_grad()
 def text_sample(teacher: LoadedModel, ids: torch.Tensor, top_k: int, where: Path | None = None
-                ) -> tuple[torch.Tensor, Sample, bool]:
+                ) -> tuple[torch.Tensor, Sample, float | None, bool]:
     """`shared_targets: text`: (the prompt's first half, which the edge reads after the prefix; its second half as
-    one sample whose targets are the teacher's top-k reading the whole prompt alone; whether those were read back
-    from `where`, where they are kept per teacher and prompt). One teacher forward, no generation: every token of
-    the second half is a target."""
+    one sample whose targets are the teacher's top-k reading the whole prompt alone; the teacher's seconds for it,
+    None when read back from a keep that predates their record; whether it was read back from `where`, where targets
+    are kept per teacher and prompt). One teacher forward, no generation: every token of the second half is a
+    target."""
     h = ids.numel() // 2
     key = {"teacher": teacher.fingerprint, "top_k": top_k, "prompt_sha256": token_ids_sha256(ids.tolist()),
            "targets_from": h}
     kept = kept_set(where, TEXT, key) if where is not None else None
     if kept is not None:
-        top_ids, top_logp = kept[1]["top_ids"], kept[1]["top_logp"]
+        top_ids, top_logp, seconds = kept[1]["top_ids"], kept[1]["top_logp"], kept[0].get("teach_s")
     else:
+        start = time.perf_counter()
         logits = teacher.model(input_ids=ids[None].to(model_device(teacher.model)), logits_to_keep=ids.numel() - h)
         top_logp, top_ids = (t.cpu().contiguous() for t in top_targets(logits.logits[0, :-1], top_k))
+        seconds = time.perf_counter() - start
         if where is not None:
             where.mkdir(parents=True, exist_ok=True)
-            keep_set(where, TEXT, {"top_ids": top_ids, "top_logp": top_logp}, {"key": key})
-    return ids[:h], Sample("text", ids[h:h + 1], ids[h + 1:], top_ids, top_logp), kept is not None
+            keep_set(where, TEXT, {"top_ids": top_ids, "top_logp": top_logp}, {"key": key, "teach_s": seconds})
+    return ids[:h], Sample("text", ids[h:h + 1], ids[h + 1:], top_ids, top_logp), seconds, kept is not None
 
 
 def prompt_labels(path: str) -> dict[str, list[dict]]:
@@ -162,7 +165,7 @@ def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel | None, prompts: lis
             raise EdgeKVError(f"{name}: the system prompt is empty")
         ids.append(t)
     sets: list[list[Sample]] = []
-    read_back = 0  # text targets an earlier run of this teacher kept (their seconds are not in teach_s)
+    read_back, unrecorded, kept_s = 0, 0, 0.0  # text targets an earlier run of this teacher kept, and their seconds
     start = time.perf_counter()
     if cfg.shared_targets == "labels":  # prefix-sft: no teacher at all
         labels = prompt_labels(cfg.prompts)
@@ -173,15 +176,17 @@ def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel | None, prompts: lis
             if t.numel() < 4:
                 raise EdgeKVError(f"{name}: shared_targets text needs a system prompt of at least 4 tokens")
             where = Path(cfg.synthetic_dir or out / "synthetic") / name
-            ids[k], sample, kept = text_sample(teacher, t, cfg.top_k, where)
+            ids[k], sample, seconds, kept = text_sample(teacher, t, cfg.top_k, where)
             read_back += kept
+            unrecorded += kept and seconds is None
+            kept_s += seconds if kept and seconds is not None else 0.0
             sets.append([sample])
             advance()
     else:
         for (name, _), t in zip(prompts, ids):  # the teacher reads each prompt alone: no prefix on its side
             samples, _ = synthetic_set(cfg, teacher, edge, None, t, out / "synthetic" / name, tasks)
             sets.append(samples)
-    teach_s = time.perf_counter() - start
+    teach_s = time.perf_counter() - start + kept_s  # the kept targets' seconds, measured when they were made
     for (name, _), samples in zip(prompts, sets):
         if not samples:
             raise EdgeKVError(f"{name}: no usable exchanges to train the shared prefix on")
@@ -205,7 +210,9 @@ def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel | None, prompts: lis
 
     start = time.perf_counter()
     log_, best = train_prefix(cfg, edge, student, loss, held_kl, out / "train", tasks, "train the shared prefix")
-    train_s = time.perf_counter() - start
+    # every process's training seconds (the checkpoint keeps them), not only this call's: a run finished by a resume
+    total = next((e["seconds"] for e in reversed(log_) if "seconds" in e), None)
+    train_s = total if total is not None else time.perf_counter() - start
     labels = cfg.shared_targets == "labels"
     info = {"targets": cfg.shared_targets, "teacher": None if labels else cfg.teacher,
             "teacher_fingerprint": None if labels else teacher.fingerprint, "prompts": len(prompts),
@@ -219,7 +226,9 @@ def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel | None, prompts: lis
             "grad_through_prompt": cfg.grad_through_prompt, "init_text": cfg.shared_init, "seed": cfg.seed}
     path = write_shared_prefix(out / "prefix", edge, student.kv(), first, info, cfg.quant)
     report = {"out": str(path), "shared_prefix": info, "teach_s": teach_s, "train_s": train_s,
-              "targets_read_back": read_back, "synthetic_samples": sum(map(len, sets)), "log": log_}
+              "train_s_all_processes": total is not None,
+              "targets_read_back": read_back, "targets_read_back_unrecorded_s": unrecorded,
+              "synthetic_samples": sum(map(len, sets)), "log": log_}
     if log_:
         loss_curve(log_, out / "loss_curve.png", f"shared prefix: K={cfg.shared_tokens}, {len(train_idx)} prompts")
     write_text_atomic(out / "report.json", json.dumps(report, indent=1))

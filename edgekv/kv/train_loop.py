@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,20 +70,21 @@ class Trainee:
         return [p for g in self.groups for p in g["params"]]
 
 
-def _save(path: Path, trainee: Trainee, opt: torch.optim.Optimizer, step: int, log: list) -> None:
+def _save(path: Path, trainee: Trainee, opt: torch.optim.Optimizer, step: int, log: list,
+          seconds: float | None) -> None:
     params = trainee.params
     tensors = {f"param.{n}": p.detach().clone().contiguous() for n, p in enumerate(params)}
     tensors.update(optimizer_tensors(params, opt))
     write_tensors_atomic(path / "state.safetensors", tensors)
     if trainee.save is not None:
         trainee.save(path)
-    write_text_atomic(path / "progress.json", json.dumps({"step": step, "log": log}))  # last: the state is whole
+    write_text_atomic(path / "progress.json", json.dumps({"step": step, "log": log, "seconds": seconds}))  # last
 
 
-def _load(path: Path, trainee: Trainee, opt: torch.optim.Optimizer) -> tuple[int, list]:
+def _load(path: Path, trainee: Trainee, opt: torch.optim.Optimizer) -> tuple[int, list, float | None]:
     found = read_checkpoint(path)
     if found is None:
-        return 0, []
+        return 0, [], 0.0
     tensors, progress = found
     params = trainee.params
     shapes = [tuple(tensors[f"param.{n}"].shape) if f"param.{n}" in tensors else None for n in range(len(params))]
@@ -92,7 +94,7 @@ def _load(path: Path, trainee: Trainee, opt: torch.optim.Optimizer) -> tuple[int
         for n, p in enumerate(params):
             p.copy_(tensors[f"param.{n}"])
     restore_optimizer(params, opt, tensors)
-    return progress["step"], progress["log"]
+    return progress["step"], progress["log"], progress.get("seconds")  # None: saved before seconds were kept
 
 
 def train_loop(trainee: Trainee, steps: int, lr: float, checkpoint: str | Path | None = None, every: int = 50,
@@ -102,7 +104,9 @@ def train_loop(trainee: Trainee, steps: int, lr: float, checkpoint: str | Path |
     """Run `steps` steps of Adam (resuming from `checkpoint` when it holds a state); held-out numbers at step 0
     of a fresh run, every `every` steps and at the end; a checkpoint every `every` steps and at the end;
     `stop(step)` may end early (a time budget); `schedule(step)` scales each group's learning rate (a function of
-    the step alone, so a resumed run takes the same rates). Returns the log, one entry per step."""
+    the step alone, so a resumed run takes the same rates). Returns the log, one entry per step; each checkpointed
+    entry has `seconds`, the loop's wall seconds to that step over every process that ran it (None when the
+    checkpoint predates them)."""
     for model in trainee.frozen:
         for p in model.parameters():
             p.requires_grad_(False)
@@ -111,7 +115,8 @@ def train_loop(trainee: Trainee, steps: int, lr: float, checkpoint: str | Path |
         p.requires_grad_(True)
     opt = torch.optim.Adam(trainee.groups, lr=lr)
     base_lrs = [g["lr"] for g in opt.param_groups]
-    start, log = _load(Path(checkpoint), trainee, opt) if checkpoint else (0, [])
+    start, log, before = _load(Path(checkpoint), trainee, opt) if checkpoint else (0, [], 0.0)
+    began = time.perf_counter()
     held = lambda step: {f"held_out_{k}": v for k, v in trainee.evaluate(step).items()}  # noqa: E731
     if start == 0 and trainee.evaluate is not None:
         log.append({"step": 0, **held(0)})
@@ -137,7 +142,8 @@ def train_loop(trainee: Trainee, steps: int, lr: float, checkpoint: str | Path |
             if on_step:
                 on_step(step + 1, entry)
             if checkpoint and (due or done):
-                _save(Path(checkpoint), trainee, opt, step + 1, log)
+                entry["seconds"] = None if before is None else before + time.perf_counter() - began
+                _save(Path(checkpoint), trainee, opt, step + 1, log, entry["seconds"])
             if done:
                 break
     finally:
