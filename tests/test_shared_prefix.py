@@ -297,6 +297,27 @@ def test_a_batch_into_a_catalog_gates_each_prompt(pair, tiny_models, prompts, tm
         assert gated["gate"]["kl_without"] == 0.0 < gated["gate"]["kl_with"]
 
 
+def test_a_ratio_sweep_gates_once(pair, tiny_models, prompts, tmp_path):
+    """Exports of one prompt that differ only in ThinK ratio or codec share the cloud side, the gate included: the
+    teacher reads the prompt once, and every export records the same verdict."""
+    from edgekv.kv.compress_job import CompressConfig, run_compress
+
+    cloud, edge = pair
+    trained = run_distill(_cfg(tmp_path / "t", prompts, steps=2), models=(cloud, edge))["shared"]["out"]
+    teacher, calls = load_model(tiny_models["cloud"], "float32"), []
+    teacher.model.register_forward_hook(lambda *_: calls.append(1))
+    cache, reports = {}, []
+    for n, (ratio, quant) in enumerate([(0.0, "fp32"), (0.5, "fp32"), (0.5, "int8")]):
+        cfg = CompressConfig(out=str(tmp_path / f"kv{n}"), cloud=tiny_models["edge"], edge=tiny_models["edge"],
+                             system_prompt=PROMPT, dtype="float32", quant=quant, prune_ratio=ratio, start_layer=0,
+                             shared=trained, shared_gate=tiny_models["cloud"])
+        reports.append(run_compress(cfg, models=(edge, edge), layers_cache=cache, teacher=teacher))
+    assert len(calls) == 1  # the gate's one teacher forward, in the first export only
+    assert reports[0]["shared_gate"] == reports[1]["shared_gate"] == reports[2]["shared_gate"]
+    assert "gate_s" in reports[0]["timings"] and reports[2]["timings"]["cached_cloud_kv_s"] >= \
+        reports[0]["timings"]["gate_s"]
+
+
 def test_the_planner_measures_an_export_under_its_prefix(pair, tiny_models, prompts, tmp_path):
     """`edgekv plan`'s candidate from an export made under a shared prefix: the export names the prefix, its bytes
     are the prompt's alone (the prefix ships once), and its cold TTFT reads the export under it, as the edge does."""

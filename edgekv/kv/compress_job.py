@@ -225,15 +225,6 @@ def run_compress(cfg: CompressConfig, progress=None, models: tuple[LoadedModel, 
     reconstruction = None
     if not same and "hidden_in" in TRANSLATORS[cfg.translator].features:  # KV rebuilt by the edge's own block
         reconstruction = check_kv_reconstruction(edge.model, ids[:64])
-    check, read = None, shared  # `read`: the prefix the export is made and read under (None when declined)
-    if cfg.shared_gate:  # the cloud side checks the prefix on this prompt (kv/shared_prefix.py, the gate)
-        start = time.perf_counter()
-        teacher = teacher or load_model(cfg.shared_gate, cfg.dtype, cfg.device_map, cfg.device)
-        check_tokenizers(teacher.tokenizer, edge.tokenizer)
-        check = gate(shared, edge, teacher, ids)
-        timings["gate_s"] = time.perf_counter() - start
-        if not check["reads_prefix"]:
-            read = None
     pairs, mapping_source = layer_pairs(cfg.mapping, cfg.start_layer, cloud.num_layers, edge.num_layers, same=same)
     if not pairs:
         raise EdgeKVError("no layer pairs to export (check --start-layer against the mapping)")
@@ -241,14 +232,23 @@ def run_compress(cfg: CompressConfig, progress=None, models: tuple[LoadedModel, 
     tasks = Tasks(progress)
     key = json.dumps({k: v for k, v in to_dict(cfg).items() if k not in ENCODING_KEYS} | {"prompt": prompt},
                      sort_keys=True)
-    if layers_cache is not None and key in layers_cache:
-        side = layers_cache[key]
-        timings["cached_cloud_kv_s"] = sum(side.timings.values())
+    if layers_cache is not None and key in layers_cache:  # the gate's verdict too: it depends on no encoding key
+        side, check, gate_s = layers_cache[key]
+        timings["cached_cloud_kv_s"] = sum(side.timings.values()) + gate_s
     else:
+        check, read, gate_s = None, shared, 0.0  # `read`: the prefix the export is made and read under (None: declined)
+        if cfg.shared_gate:  # the cloud side checks the prefix on this prompt (kv/shared_prefix.py, the gate)
+            start = time.perf_counter()
+            teacher = teacher or load_model(cfg.shared_gate, cfg.dtype, cfg.device_map, cfg.device)
+            check_tokenizers(teacher.tokenizer, edge.tokenizer)
+            check = gate(shared, edge, teacher, ids)
+            timings["gate_s"] = gate_s = time.perf_counter() - start
+            if not check["reads_prefix"]:
+                read = None
         side = cloud_side(cfg, cloud, edge, ids, pairs, mapping_source, same, tasks, read)
         timings.update(side.timings)
         if layers_cache is not None:
-            layers_cache[key] = side
+            layers_cache[key] = side, check, gate_s
     translator, pairs, layers, extra, files = side.translator, side.pairs, side.layers, side.extra, side.files
 
     start = time.perf_counter()
