@@ -149,10 +149,13 @@ def _once(rows: list[dict]) -> list[dict]:
 
 
 def write_distill_report(runs: list[Path], out: Path, seed: int = 0, spec: Spec = DISTILL,
-                         relabel: dict[Path, dict[str, str]] | None = None) -> dict:
+                         relabel: dict[Path, dict[str, str]] | None = None,
+                         exclude: set[tuple[str, str]] | None = None) -> dict:
     """summary.json and rows.jsonl (the runs' rows of the compared strategies) into `out`; costs.json and
     loss_curves/ where the runs' work folders are at hand. `relabel` renames a run's strategies (run → {strategy:
-    name}): the same strategy under another setting, e.g. another shared prefix, kept apart."""
+    name}): the same strategy under another setting, e.g. another shared prefix, kept apart. `exclude`: (dataset,
+    request id) pairs left out of every cell (a request some condition trained on), listed under their source's
+    `excluded_requests`."""
     keep = {*spec.conditions.values(), REFERENCE, spec.gap_from}
     rows = []
     for run in runs:
@@ -160,7 +163,10 @@ def write_distill_report(runs: list[Path], out: Path, seed: int = 0, spec: Spec 
         # the eval's own reader: a run still writing (or stopped) may end in a torn line, dropped with a warning
         rows += [{**r, "strategy": names.get(r["strategy"], r["strategy"])}
                  for r in read_results(run / "results.jsonl")]
-    rows = _once([r for r in rows if r["strategy"] in keep])
+    unknown = set(exclude or ()) - {(r["dataset"], str(r["id"])) for r in rows}
+    if unknown:  # a typo would silently exclude nothing
+        raise EdgeKVError(f"--exclude: no run holds {', '.join(sorted(f'{d}:{i}' for d, i in unknown))}")
+    rows = _once([r for r in rows if r["strategy"] in keep and (r["dataset"], str(r["id"])) not in (exclude or ())])
     # a run stopped mid-request (resumable) leaves some strategies of its last request unanswered: compare only
     # requests every strategy run on their source answered, so each condition is paired over the same requests
     answered: dict[tuple[str, str], set[str]] = {}
@@ -170,6 +176,9 @@ def write_distill_report(runs: list[Path], out: Path, seed: int = 0, spec: Spec 
         ran.setdefault(r["dataset"], set()).add(r["strategy"])
     rows = [r for r in rows if answered[(r["dataset"], r["id"])] == ran[r["dataset"]]]
     summary = distill_summary(rows, seed, spec)
+    for d, i in sorted(exclude or ()):
+        if d in summary:
+            summary[d].setdefault("excluded_requests", []).append(i)
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "rows.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     write_text_atomic(out / "summary.json", json.dumps(summary, indent=1))

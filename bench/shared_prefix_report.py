@@ -7,6 +7,7 @@ system prompt).
         [--held-out-source RUN_DIR]   # edgeprompt-shared there: a prefix trained without that source
         [--variant NAME=RUN_DIR ...]  # edgeprompt-shared there under another prefix (e.g. k64): edgeprompt-shared@NAME
         [--against NAME]              # the variants' contrasts against variant NAME (a control), not the shipped prefix
+        [--exclude DATASET:ID ...]    # a request left out of every cell (one some condition's training text holds)
 """
 
 from __future__ import annotations
@@ -118,7 +119,12 @@ def main() -> None:
                     help="a run of edgeprompt-shared under another prefix, reported as edgeprompt-shared@NAME")
     ap.add_argument("--against", default=None, metavar="NAME",
                     help="contrast the variants with variant NAME (a control) instead of the shipped prefix")
+    ap.add_argument("--exclude", action="append", default=[], metavar="DATASET:ID",
+                    help="leave this request out of every cell (its source's excluded_requests in summary.json)")
     args = ap.parse_args()
+    if any(not d or not i for d, _, i in (e.partition(":") for e in args.exclude)):
+        ap.error("--exclude takes DATASET:ID")
+    exclude = {(d, i) for d, _, i in (e.partition(":") for e in args.exclude)}
     runs, relabel = list(args.runs), {}
     if args.held_out_source is not None:
         runs.append(args.held_out_source)
@@ -131,7 +137,7 @@ def main() -> None:
         relabel[Path(run)] = {"edgeprompt-shared": f"edgeprompt-shared@{name}"}
     try:
         spec = with_variants(SHARED, [name for name, _, _ in variants], args.against)
-        summary = write_distill_report(runs, args.out, spec=spec, relabel=relabel)
+        summary = write_distill_report(runs, args.out, spec=spec, relabel=relabel, exclude=exclude)
     except EdgeKVError as exc:
         raise SystemExit(f"error: {exc}") from None
     rows = [json.loads(line) for line in (args.out / "rows.jsonl").read_text(encoding="utf-8").splitlines() if line]

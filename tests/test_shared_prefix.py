@@ -506,6 +506,14 @@ def test_report_keeps_a_source_a_strategy_skipped_and_relabels_a_runs_prefix(tmp
     assert s["xsum"]["oracle-kv"]["delta_mean"] == pytest.approx(-0.5)
     assert s["xsum"]["edgeprompt-shared"]["delta_mean"] == pytest.approx(-0.1)
     assert s["xsum"][HELD_OUT]["delta_mean"] == pytest.approx(-0.3)
+    # a request left out (a leak into some condition's training text) leaves every cell of its source, and is named
+    s = write_distill_report([a, b, c], tmp_path / "out-x", spec=SHARED, relabel={c: {"edgeprompt-shared": HELD_OUT}},
+                             exclude={("xsum", "xsum3")})
+    assert s["xsum"]["edgeprompt-shared"]["n"] == s["xsum"]["oracle-kv"]["n"] == 3
+    assert s["xsum"]["excluded_requests"] == ["xsum3"] and "excluded_requests" not in s["mmlu"]
+    assert s["mmlu"]["edgeprompt-shared"]["n"] == 4
+    with pytest.raises(EdgeKVError, match="--exclude: no run holds xsum:xsum9"):
+        write_distill_report([a], tmp_path / "out-y", spec=SHARED, exclude={("xsum", "xsum9")})
     # a source where only oracle-kv ran has no EdgePrompt to pair with: no entry, not one of empty costs
     d = run("d", [("sharegpt", "oracle-kv", 2.5)])
     s = write_distill_report([a, d], tmp_path / "out-d", spec=SHARED)
