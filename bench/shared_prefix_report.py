@@ -152,7 +152,7 @@ def main() -> None:
                                   # text targets read back from an earlier run: teach_s holds their recorded seconds,
                                   # except for the unrecorded ones (kept before the record existed)
                                   "targets_read_back": report.get("targets_read_back", 0),
-                                  "targets_read_back_unrecorded_s": report.get("targets_read_back_unrecorded_s"),
+                                  "targets_read_back_without_seconds": report.get("targets_read_back_without_seconds"),
                                   "train_s_all_processes": report.get("train_s_all_processes"),
                                   "bytes": sum(e["bytes"] for e in manifest["layers"]),
                                   "fingerprint": manifest["manifest_sha256"]}

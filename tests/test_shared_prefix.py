@@ -665,7 +665,7 @@ def test_text_targets_are_kept_so_a_rerun_needs_no_teacher(pair, prompts, tmp_pa
     silent = dataclasses.replace(cloud, model=NoForward())
     again = run_distill(_cfg(tmp_path / "b", prompts, shared_targets="text", batch=1, steps=8,
                              synthetic_dir=str(kept)), models=(silent, edge))["shared"]
-    assert again["targets_read_back"] == len(TOPICS) and again["targets_read_back_unrecorded_s"] == 0
+    assert again["targets_read_back"] == len(TOPICS) and again["targets_read_back_without_seconds"] == 0
     recorded = sum(json.loads(p.read_text())["teach_s"] for p in kept.glob("*/text.json"))
     assert recorded <= first["teach_s"] and again["teach_s"] >= recorded > 0  # the teacher's seconds, kept with them
     a, b = (SharedPrefix(r["out"], edge).prefix for r in (first, again))

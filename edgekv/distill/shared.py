@@ -227,7 +227,7 @@ def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel | None, prompts: lis
     path = write_shared_prefix(out / "prefix", edge, student.kv(), first, info, cfg.quant)
     report = {"out": str(path), "shared_prefix": info, "teach_s": teach_s, "train_s": train_s,
               "train_s_all_processes": total is not None,
-              "targets_read_back": read_back, "targets_read_back_unrecorded_s": unrecorded,
+              "targets_read_back": read_back, "targets_read_back_without_seconds": unrecorded,
               "synthetic_samples": sum(map(len, sets)), "log": log_}
     if log_:
         loss_curve(log_, out / "loss_curve.png", f"shared prefix: K={cfg.shared_tokens}, {len(train_idx)} prompts")
