@@ -63,6 +63,17 @@ def test_shipped_distill_configs_load(name):
     assert cfg.queries >= 2 and cfg.seeds
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("distill-shared*.yaml")), ids=lambda p: p.name)
+def test_every_shared_prefix_recipe_loads_and_names_its_prompts(path):
+    """Each shared-prefix recipe (shipped or reported beside) is valid, and the training prompts it names are in the
+    repository, so its report's reproduce command runs."""
+    from edgekv.distill.distill_job import DistillConfig
+
+    cfg = load_config(DistillConfig, "distill", path, {})
+    cfg.validate()
+    assert cfg.train_shared and (ROOT / cfg.prompts).is_file()
+
+
 def test_shipped_shared_prefix_configs_load():
     """The shared prefix's training config and its eval config are valid (issue 37)."""
     from edgekv.distill.distill_job import DistillConfig
