@@ -40,8 +40,8 @@ def mmlu_test_prompts(tok, taken: set[str], per_subject: int) -> list[tuple[str,
     """Up to `per_subject` more 5-shot prompts per subject the eval never draws, their shots from the subject's test
     sample (no eval reads those subjects), in the dev prompts' format; no labels."""
     by_subject: dict[str, list[dict]] = {}
-    for row in (json.loads(line) for line in read_text(str(ROOT / "data/mmlu/mmlu_test_sample.jsonl"), "mmlu")
-                .splitlines() if line.strip()):
+    path = str(ROOT / "data/mmlu/mmlu_test_sample.jsonl")
+    for _, row in jsonl_records(read_text(path, "mmlu").splitlines(), path):
         if row["subject"] not in taken:
             by_subject.setdefault(row["subject"], []).append(row)
     return [(f"{subject}-{k}", truncate_prompt(tok, mmlu_system(subject, rows[5 * k:5 * k + 5]),
@@ -49,12 +49,17 @@ def mmlu_test_prompts(tok, taken: set[str], per_subject: int) -> list[tuple[str,
             for k in range(per_subject) for subject, rows in by_subject.items() if len(rows) >= 5 * k + 5]
 
 
-def eval_quotes(tok) -> list[str]:
-    """The texts of every request the eval could draw (XSum records 0..106, ShareGPT's scan from record 5,000, MMLU's
-    4 seeded subjects, any limit): each system prompt, user turn and reference of at least QUOTE_CHARS characters.
-    ShareGPT repeats conversations under other ids, so a record from 8,000 on may still hold an eval request's turns."""
-    pool = [r for d in ("xsum", "sharegpt", "mmlu") for r in load_requests(d, tok, 10_000, 0, None, **EVAL,
-                                                                            xsum_records=107)]
+def eval_pool(tok) -> list:
+    """Every request the eval could draw (XSum records 0..106, ShareGPT's scan from record 5,000, MMLU's 4 seeded
+    subjects), at any limit."""
+    return [r for d in ("xsum", "sharegpt", "mmlu") for r in load_requests(d, tok, 10_000, 0, None, **EVAL,
+                                                                           xsum_records=107)]
+
+
+def eval_quotes(pool: list) -> list[str]:
+    """The texts of the eval's requests (`eval_pool`): each system prompt, user turn and reference of at least
+    QUOTE_CHARS characters. ShareGPT repeats conversations under other ids, so a record from 8,000 on may still hold
+    an eval request's turns."""
     user = Counter(r.user.removeprefix("User: ").removesuffix("\nAssistant:").strip() for r in pool)
     # a user turn that several requests share is the dataset's template (XSum's instruction), not a request's text
     texts = [t.strip() for r in pool for t in (r.system, r.reference)] + [u for u, n in user.items() if n == 1]
@@ -72,7 +77,7 @@ def training_prompts(tok, per_source: int, sources: list[str], seed: int = 0, ne
     """`per_source` prompts of each source (and `news` news articles, `mmlu_test` test-shot MMLU prompts per unused
     subject), interleaved, none holding an eval request's text (`quotes_eval`: dropped before each source is cut)."""
     label = lambda r: {"user": r.user, "reference": r.scored or r.reference}  # noqa: E731
-    lists = {}
+    lists, pool = {}, eval_pool(tok)
     if "xsum" in sources:
         lists["xsum"] = [(r.id, r.system, [label(r)]) for r in load_requests("xsum", tok, 10_000, seed, None,
                                                                              **EVAL, xsum_from=107)]
@@ -80,7 +85,7 @@ def training_prompts(tok, per_source: int, sources: list[str], seed: int = 0, ne
         lists["sharegpt"] = [(r.id, r.system, [label(r)]) for r in load_requests("sharegpt", tok, 10_000, seed,
                                                                                  None, **EVAL, sharegpt_offset=8000)]
     if "mmlu" in sources:  # the eval draws 4 subjects with its seed (0); their system prompts are never trained on
-        taken = {r.id.rsplit("-", 1)[0] for r in load_requests("mmlu", tok, 10_000, 0, None, **EVAL)}
+        taken = {r.id.rsplit("-", 1)[0] for r in pool if r.dataset == "mmlu"}
         by_subject: dict[str, tuple] = {}
         for r in mmlu():
             subject = r.id.rsplit("-", 1)[0]
@@ -93,7 +98,7 @@ def training_prompts(tok, per_source: int, sources: list[str], seed: int = 0, ne
             lists["mmlu-test"] = mmlu_test_prompts(tok, taken, mmlu_test)
     if news:
         lists["news"] = news_prompts(tok, news)
-    quotes = eval_quotes(tok)
+    quotes = eval_quotes(pool)
     for source, rows in lists.items():
         keep = [row for row in rows if not quotes_eval({"system_prompt": row[1], "labels": row[2]}, quotes)]
         lists[source] = keep if source in ("news", "mmlu-test") else keep[:per_source]

@@ -128,11 +128,11 @@ def test_config_errors(tmp_path):
 def test_shared_prefix_training_prompts_hold_no_eval_text():
     """The shared prefix's newest training prompts quote no request the eval could draw (ShareGPT repeats
     conversations under new ids: 7 of the first 120 from record 8,000 did), and the check sees such a repeat."""
-    from bench.shared_prefix_prompts import eval_quotes, quotes_eval
+    from bench.shared_prefix_prompts import eval_pool, eval_quotes, quotes_eval
     from edgekv.models.loading import load_tokenizer
     from edgekv.texts import jsonl_records, read_text
 
-    quotes = eval_quotes(load_tokenizer("default-edge"))
+    quotes = eval_quotes(eval_pool(load_tokenizer("default-edge")))
     path = ROOT / "reports/shared-prefix/train-948.jsonl"
     records = [r for _, r in jsonl_records(read_text(str(path), "prompts").splitlines(), str(path))]
     assert len(records) == 948 and not [r["name"] for r in records if quotes_eval(r, quotes)]
