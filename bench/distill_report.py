@@ -156,17 +156,17 @@ def write_distill_report(runs: list[Path], out: Path, seed: int = 0, spec: Spec 
     name}): the same strategy under another setting, e.g. another shared prefix, kept apart. `exclude`: (dataset,
     request id) pairs left out of every cell (a request some condition trained on), listed under their source's
     `excluded_requests`."""
-    keep = {*spec.conditions.values(), REFERENCE, spec.gap_from}
+    keep, exclude = {*spec.conditions.values(), REFERENCE, spec.gap_from}, set(exclude or ())
     rows = []
     for run in runs:
         names = (relabel or {}).get(run, {})
         # the eval's own reader: a run still writing (or stopped) may end in a torn line, dropped with a warning
         rows += [{**r, "strategy": names.get(r["strategy"], r["strategy"])}
                  for r in read_results(run / "results.jsonl")]
-    unknown = set(exclude or ()) - {(r["dataset"], str(r["id"])) for r in rows}
-    if unknown:  # a typo would silently exclude nothing
+    request = lambda r: (r["dataset"], str(r["id"]))  # noqa: E731
+    if unknown := exclude - set(map(request, rows)):  # a typo would silently exclude nothing
         raise EdgeKVError(f"--exclude: no run holds {', '.join(sorted(f'{d}:{i}' for d, i in unknown))}")
-    rows = _once([r for r in rows if r["strategy"] in keep and (r["dataset"], str(r["id"])) not in (exclude or ())])
+    rows = _once([r for r in rows if r["strategy"] in keep and request(r) not in exclude])
     # a run stopped mid-request (resumable) leaves some strategies of its last request unanswered: compare only
     # requests every strategy run on their source answered, so each condition is paired over the same requests
     answered: dict[tuple[str, str], set[str]] = {}
@@ -176,7 +176,7 @@ def write_distill_report(runs: list[Path], out: Path, seed: int = 0, spec: Spec 
         ran.setdefault(r["dataset"], set()).add(r["strategy"])
     rows = [r for r in rows if answered[(r["dataset"], r["id"])] == ran[r["dataset"]]]
     summary = distill_summary(rows, seed, spec)
-    for d, i in sorted(exclude or ()):
+    for d, i in sorted(exclude):
         if d in summary:
             summary[d].setdefault("excluded_requests", []).append(i)
     out.mkdir(parents=True, exist_ok=True)

@@ -122,9 +122,9 @@ def main() -> None:
     ap.add_argument("--exclude", action="append", default=[], metavar="DATASET:ID",
                     help="leave this request out of every cell (its source's excluded_requests in summary.json)")
     args = ap.parse_args()
-    if any(not d or not i for d, _, i in (e.partition(":") for e in args.exclude)):
-        ap.error("--exclude takes DATASET:ID")
     exclude = {(d, i) for d, _, i in (e.partition(":") for e in args.exclude)}
+    if any(not d or not i for d, i in exclude):
+        ap.error("--exclude takes DATASET:ID")
     runs, relabel = list(args.runs), {}
     if args.held_out_source is not None:
         runs.append(args.held_out_source)
