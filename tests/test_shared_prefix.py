@@ -19,7 +19,7 @@ from cli.main import app
 from edgekv import EdgeKVError
 from edgekv.attention.prefix_kv import PrefixKV, continuation_logits, prefill_after, prefix_kv, read_after
 from edgekv.distill.distill_job import DistillConfig, run_distill
-from edgekv.distill.shared import init_ids, label_samples, text_sample
+from edgekv.distill.shared import init_ids, label_samples, reply_samples, text_sample
 from edgekv.distill.student import sample_loss
 from edgekv.kv.export import KVStoreError
 from edgekv.kv.shared_prefix import SharedPrefix, gate, write_shared_prefix
@@ -676,3 +676,50 @@ def test_text_targets_are_kept_so_a_rerun_needs_no_teacher(pair, prompts, tmp_pa
     with pytest.raises(AssertionError, match="its targets were kept"):
         run_distill(_cfg(tmp_path / "c", prompts, shared_targets="text", batch=1, steps=8, synthetic_dir=str(kept)),
                     models=(other, edge))
+
+
+def test_replies_are_the_teachers_reading_of_the_whole_conversation(pair, prompts, tmp_path):
+    cloud, edge = pair
+    ids = torch.tensor(edge.tokenizer(PROMPT)["input_ids"])
+    labels = [{"user": "User: and then?\nAssistant:", "reference": "Then it rained all day long."},
+              {"user": "", "reference": "an empty turn is skipped"}]
+    got, seconds, read_back = reply_samples(edge, edge, ids, labels, 5, 8)
+    h = ids.numel() // 2
+    (s,) = got
+    user = torch.tensor(edge.tokenizer(labels[0]["user"], add_special_tokens=False)["input_ids"])
+    assert torch.equal(s.user, torch.cat([ids[h:], user])) and s.answer.numel() == 5  # cut to the tokens scored
+    assert s.top_ids.shape == (s.user.numel() + 5 - 1, 8) and (seconds, read_back) == (0.0, 0)
+    # the edge as its own teacher, reading the first half as the training step does: the rows line up, KL zero
+    with torch.no_grad():
+        assert float(sample_loss(edge, PrefixKV.of_model(edge.model, ids[:h]), s)) < 1e-5
+    # the cloud's rows are its one forward over prompt + turn + reply, on the reply's positions
+    with torch.no_grad():
+        full = torch.log_softmax(cloud.model(input_ids=torch.cat([ids, user, s.answer])[None]).logits[0].float(), -1)
+    c, _, _ = reply_samples(cloud, edge, ids, labels[:1], 5, 8)
+    rows = full[ids.numel() + user.numel() - 1:-1]
+    assert torch.allclose(c[0].top_logp[c[0].answer_from:], rows.topk(8).values, atol=1e-5)
+
+
+def test_replies_train_beside_the_text_only_for_named_sources(pair, prompts, tmp_path):
+    cloud, edge = pair
+    base = _cfg(tmp_path / "t", prompts, shared_targets="text", batch=1, steps=8, eval_every=8)
+    plain = run_distill(base, models=(cloud, edge))["shared"]
+    kw = dict(shared_targets="text", batch=1, steps=8, eval_every=8, synthetic_dir=str(tmp_path / "keep"))
+    named = run_distill(_cfg(tmp_path / "r", prompts, reply_sources=["p0", "p1", "p2", "p3", "p4", "p5"], **kw),
+                        models=(cloud, edge))["shared"]
+    info = named["shared_prefix"]
+    held = set(info["held_out_prompts"])
+    # every training prompt (never a held-out one) has its reply; the held-out KL is the text recipe's measure
+    assert info["reply_samples"] == len(TOPICS) - len(held) and named["synthetic_samples"] == 2 * len(TOPICS) - 2
+    assert info["initial_held_out_kl"] == pytest.approx(plain["shared_prefix"]["initial_held_out_kl"])
+    assert named["log"][-1]["held_out_kl"] != pytest.approx(plain["log"][-1]["held_out_kl"])  # replies trained
+    # a source not named adds nothing; a rerun reads every target back (text and replies), the same prefix
+    other = run_distill(_cfg(tmp_path / "o", prompts, reply_sources=["sharegpt"], **kw), models=(cloud, edge))["shared"]
+    assert other["shared_prefix"]["reply_samples"] == 0
+    assert other["log"][-1]["held_out_kl"] == pytest.approx(plain["log"][-1]["held_out_kl"])
+    again = run_distill(_cfg(tmp_path / "r2", prompts, reply_sources=["p0", "p1", "p2", "p3", "p4", "p5"], **kw),
+                        models=(cloud, edge))["shared"]
+    assert again["targets_read_back"] == 2 * len(TOPICS) - len(held)
+    assert again["log"][-1]["held_out_kl"] == named["log"][-1]["held_out_kl"]
+    with pytest.raises(EdgeKVError, match="adds replies to text targets"):
+        _cfg(tmp_path / "b", prompts, shared_targets="teacher", reply_sources=["sharegpt"]).validate()

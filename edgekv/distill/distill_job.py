@@ -134,7 +134,11 @@ class DistillConfig(ModelSettings):
     shared_targets: str = setting("teacher", "The shared prefix learns the cloud's top-k on synthetic exchanges "
                                              "(teacher), on the prompts' own second halves (text), or the prompts' "
                                              "own labels (labels: prefix-sft).")
-    label_tokens: int = 64  # prefix-sft: reference tokens trained on (the eval scores the first 64)
+    label_tokens: int = 64  # prefix-sft and replies: reference tokens trained on (the eval scores the first 64)
+    reply_sources: list[str] = setting(
+        help="Shared prefix, text targets: training prompts of these sources (name prefix SOURCE-) whose labels are "
+             "a conversation's next turns also learn the teacher on each reply, read after the whole prompt.",
+        factory=list)
     catalog: str | None = setting(None, "Also put each export in this catalog (folder or fsspec URL).")
     ray: str | None = ray_setting()
     workers: int = workers_setting()
@@ -186,6 +190,8 @@ class DistillConfig(ModelSettings):
                                   "drawn from a per-prompt student")
             if self.shared_targets not in ("teacher", "labels", "text"):
                 raise EdgeKVError(f"--shared-targets must be teacher, labels or text, got '{self.shared_targets}'")
+            if self.reply_sources and self.shared_targets != "text":
+                raise EdgeKVError("--reply-sources adds replies to text targets (--shared-targets text)")
             if self.shared_tokens < 0 or self.held_prompts < 1 or self.held_samples < 1:
                 raise EdgeKVError("--shared-tokens must be ≥ 0, --held-prompts and held_samples ≥ 1")
 

@@ -15,7 +15,10 @@ out for early stopping. The result is a `shared-prefix` export (`edgekv.kv.share
 beside the prompt's synthetic set, so a later run on the same prompts needs no teacher), and the edge,
 reading the prompt's first half after the prefix, learns the teacher's top-k on every token of the second half (one
 sample a prompt, so `batch: 1`). It is the cheapest teacher data there is, a prompt's worth of targets for one
-forward pass; the gate (`kv/shared_prefix.py`) checks much the same KL, on the same half of a prompt.
+forward pass; the gate (`kv/shared_prefix.py`) checks much the same KL, on the same half of a prompt. With
+`reply_sources`, a conversation's prompt also carries its next turns (the JSONL's `labels`: the user turn and the
+reply, as the eval lays a request out) and its step averages the text's loss and each reply's, toward the teacher
+reading the whole conversation: the eval scores replies, and the text targets only reach them by chance.
 
 `shared_targets: labels` is `prefix-sft`, the reference a reviewer asks for: the same K tokens trained by
 next-token loss on the training prompts' own (user, reference) pairs (the JSONL's `labels`), labels the cloud path
@@ -110,40 +113,72 @@ def label_samples(edge: LoadedModel, labels: list[dict], tokens: int) -> list[Sa
 TEXT = "text"  # .json + .safetensors beside a prompt's synthetic set: its text targets
 
 
-@torch.no_grad()
+def _teacher_rows(teacher: LoadedModel, seq: torch.Tensor, h: int, top_k: int, where: Path | None, stem: str
+                  ) -> tuple[torch.Tensor, torch.Tensor, float | None, bool]:
+    """The teacher's top-k (ids, log-probs) on the rows predicting tokens h+1.. of `seq`, read alone in one forward;
+    its seconds (None when read back from a keep that predates their record); whether it was read back from
+    `where`, where they are kept per teacher and sequence under `stem`."""
+    key = {"teacher": teacher.fingerprint, "top_k": top_k, "prompt_sha256": token_ids_sha256(seq.tolist()),
+           "targets_from": h}
+    kept = kept_set(where, stem, key) if where is not None else None
+    if kept is not None:
+        return kept[1]["top_ids"], kept[1]["top_logp"], kept[0].get("teach_s"), True
+    start = time.perf_counter()
+    with torch.no_grad():
+        logits = teacher.model(input_ids=seq[None].to(model_device(teacher.model)), logits_to_keep=seq.numel() - h)
+    top_logp, top_ids = (t.cpu().contiguous() for t in top_targets(logits.logits[0, :-1], top_k))
+    seconds = time.perf_counter() - start
+    if where is not None:
+        where.mkdir(parents=True, exist_ok=True)
+        keep_set(where, stem, {"top_ids": top_ids, "top_logp": top_logp}, {"key": key, "teach_s": seconds})
+    return top_ids, top_logp, seconds, False
+
+
 def text_sample(teacher: LoadedModel, ids: torch.Tensor, top_k: int, where: Path | None = None
                 ) -> tuple[torch.Tensor, Sample, float | None, bool]:
     """`shared_targets: text`: (the prompt's first half, which the edge reads after the prefix; its second half as
-    one sample whose targets are the teacher's top-k reading the whole prompt alone; the teacher's seconds for it,
-    None when read back from a keep that predates their record; whether it was read back from `where`, where targets
-    are kept per teacher and prompt). One teacher forward, no generation: every token of the second half is a
+    one sample whose targets are the teacher's top-k reading the whole prompt alone; the teacher's seconds; whether
+    they were read back from `where`). One teacher forward, no generation: every token of the second half is a
     target."""
     h = ids.numel() // 2
-    key = {"teacher": teacher.fingerprint, "top_k": top_k, "prompt_sha256": token_ids_sha256(ids.tolist()),
-           "targets_from": h}
-    kept = kept_set(where, TEXT, key) if where is not None else None
-    if kept is not None:
-        top_ids, top_logp, seconds = kept[1]["top_ids"], kept[1]["top_logp"], kept[0].get("teach_s")
-    else:
-        start = time.perf_counter()
-        logits = teacher.model(input_ids=ids[None].to(model_device(teacher.model)), logits_to_keep=ids.numel() - h)
-        top_logp, top_ids = (t.cpu().contiguous() for t in top_targets(logits.logits[0, :-1], top_k))
-        seconds = time.perf_counter() - start
-        if where is not None:
-            where.mkdir(parents=True, exist_ok=True)
-            keep_set(where, TEXT, {"top_ids": top_ids, "top_logp": top_logp}, {"key": key, "teach_s": seconds})
-    return ids[:h], Sample("text", ids[h:h + 1], ids[h + 1:], top_ids, top_logp), seconds, kept is not None
+    top_ids, top_logp, seconds, kept = _teacher_rows(teacher, ids, h, top_k, where, TEXT)
+    return ids[:h], Sample("text", ids[h:h + 1], ids[h + 1:], top_ids, top_logp), seconds, kept
 
 
-def prompt_labels(path: str) -> dict[str, list[dict]]:
-    """name → the (user, reference) pairs of a training prompts JSONL (its `labels`)."""
+def reply_samples(teacher: LoadedModel, edge: LoadedModel, ids: torch.Tensor, labels: list[dict], tokens: int,
+                  top_k: int, where: Path | None = None) -> tuple[list[Sample], float, int]:
+    """`reply_sources`: one sample per (user turn, reply) of a conversation's labels, laid out as the eval asks it
+    (the whole prompt, the user turn, the reply's first `tokens`). The edge reads the prompt's first half after the
+    prefix, as its text sample does, so one prefill serves both; the loss is on the reply alone, toward the teacher
+    reading prompt + turn + reply in one forward (a conversation's next turn is its own text, not an annotation).
+    Returns (samples, the recorded teacher seconds of those read back, how many were read back)."""
+    h, out, seconds, read_back = ids.numel() // 2, [], 0.0, 0
+    for j, pair in enumerate(labels):
+        user = torch.tensor(edge.tokenizer(pair["user"], add_special_tokens=False)["input_ids"], dtype=torch.long)
+        ref = reference_ids(edge.tokenizer, pair["reference"], tokens)
+        if not user.numel() or not ref.numel():
+            continue
+        top_ids, top_logp, s, kept = _teacher_rows(teacher, torch.cat([ids, user, ref]), h, top_k, where,
+                                                   f"reply{j}")
+        out.append(Sample("reply", torch.cat([ids[h:], user]), ref, top_ids, top_logp))
+        seconds += (s or 0.0) if kept else 0.0  # new ones count in the caller's wall time
+        read_back += kept
+    return out, seconds, read_back
+
+
+def prompt_labels(path: str, required: bool = True) -> dict[str, list[dict]]:
+    """name → the (user, reference) pairs of a training prompts JSONL (its `labels`); with `required`, every record
+    must have them."""
     out = {}
     for n, data in jsonl_records(read_text(path, "--prompts").splitlines(), path):
         labels = data.get("labels") if isinstance(data, dict) else None
+        if labels is None and not required:
+            continue
         if not isinstance(labels, list) or not labels or not all(
                 isinstance(x, dict) and isinstance(x.get("user"), str) and isinstance(x.get("reference"), str)
                 for x in labels):
-            raise EdgeKVError(f"{path}:{n}: shared_targets labels needs 'labels': [{{\"user\", \"reference\"}}, …]")
+            who = "shared_targets labels" if required else "reply_sources"
+            raise EdgeKVError(f"{path}:{n}: {who} needs 'labels': [{{\"user\", \"reference\"}}, …]")
         out[data["name"]] = labels
     return out
 
@@ -166,11 +201,14 @@ def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel | None, prompts: lis
         ids.append(t)
     sets: list[list[Sample]] = []
     read_back, unrecorded, kept_s = 0, 0, 0.0  # text targets an earlier run of this teacher kept, and their seconds
+    replies: dict[int, list[Sample]] = {}  # training prompt → its conversation's replies (reply_sources)
+    train_idx, held_idx = split_prompts(len(prompts), cfg.held_prompts, cfg.seed)
     start = time.perf_counter()
     if cfg.shared_targets == "labels":  # prefix-sft: no teacher at all
         labels = prompt_labels(cfg.prompts)
         sets = [label_samples(edge, labels[name], cfg.label_tokens) for name, _ in prompts]
     elif cfg.shared_targets == "text":  # the edge reads a prompt's first half and learns the teacher on the rest
+        labels = prompt_labels(cfg.prompts, required=False) if cfg.reply_sources else {}
         advance = tasks.task("teacher reads the prompts", len(prompts))
         for k, ((name, _), t) in enumerate(zip(prompts, ids)):
             if t.numel() < 4:
@@ -181,6 +219,10 @@ def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel | None, prompts: lis
             unrecorded += kept and seconds is None
             kept_s += seconds if kept and seconds is not None else 0.0
             sets.append([sample])
+            # training prompts only: the held-out KL stays the text targets' measure
+            if name.split("-", 1)[0] in cfg.reply_sources and name in labels and k not in held_idx:
+                replies[k], s, n = reply_samples(teacher, edge, t, labels[name], cfg.label_tokens, cfg.top_k, where)
+                read_back, kept_s = read_back + n, kept_s + s
             advance()
     else:
         for (name, _), t in zip(prompts, ids):  # the teacher reads each prompt alone: no prefix on its side
@@ -190,15 +232,20 @@ def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel | None, prompts: lis
     for (name, _), samples in zip(prompts, sets):
         if not samples:
             raise EdgeKVError(f"{name}: no usable exchanges to train the shared prefix on")
-    train_idx, held_idx = split_prompts(len(prompts), cfg.held_prompts, cfg.seed)
+    for p, more in replies.items():
+        sets[p] += more
     first = init_ids(edge, cfg.shared_init, cfg.shared_tokens)
     student = initial_prefix(edge, first, cfg.freeze_first)
 
     def loss(step: int) -> torch.Tensor:
         p = train_idx[example_index(step, len(train_idx), cfg.seed)]
         prefix = reading(edge, student, ids[p], cfg.grad_through_prompt)
-        picks = [sets[p][example_index(step * cfg.batch + j, len(sets[p]), cfg.seed + 1)] for j in range(cfg.batch)]
-        return sum(sample_loss(edge, prefix, s, cfg.query_loss) for s in picks) / cfg.batch
+        if cfg.shared_targets == "text":  # the prompt's text and its replies, all on one prefill of its first half
+            picks = sets[p]
+        else:
+            picks = [sets[p][example_index(step * cfg.batch + j, len(sets[p]), cfg.seed + 1)]
+                     for j in range(cfg.batch)]
+        return sum(sample_loss(edge, prefix, s, cfg.query_loss) for s in picks) / len(picks)
 
     @torch.no_grad()
     def held_kl(prefixed: bool = True) -> float:
@@ -223,7 +270,8 @@ def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel | None, prompts: lis
             "no_prefix_held_out_kl": held_kl(prefixed=False),  # EdgePrompt: the edge reading the prompt alone
             **rate_info(cfg), "batch": cfg.batch,
             "freeze_first": student.freeze_first, "query_loss": cfg.query_loss,
-            "grad_through_prompt": cfg.grad_through_prompt, "init_text": cfg.shared_init, "seed": cfg.seed}
+            "grad_through_prompt": cfg.grad_through_prompt, "init_text": cfg.shared_init, "seed": cfg.seed,
+            "reply_sources": cfg.reply_sources, "reply_samples": sum(map(len, replies.values()))}
     path = write_shared_prefix(out / "prefix", edge, student.kv(), first, info, cfg.quant)
     report = {"out": str(path), "shared_prefix": info, "teach_s": teach_s, "train_s": train_s,
               "train_s_all_processes": total is not None,
