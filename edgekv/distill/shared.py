@@ -172,7 +172,7 @@ def prompt_labels(path: str, required: bool = True) -> dict[str, list[dict]]:
     out = {}
     for n, data in jsonl_records(read_text(path, "--prompts").splitlines(), path):
         labels = data.get("labels") if isinstance(data, dict) else None
-        if labels is None and not required:
+        if not labels and not required:  # none, or an empty list
             continue
         if not isinstance(labels, list) or not labels or not all(
                 isinstance(x, dict) and isinstance(x.get("user"), str) and isinstance(x.get("reference"), str)
