@@ -19,7 +19,7 @@ from cli.main import app
 from edgekv import EdgeKVError
 from edgekv.attention.prefix_kv import PrefixKV, continuation_logits, prefill_after, prefix_kv, read_after
 from edgekv.distill.distill_job import DistillConfig, run_distill
-from edgekv.distill.shared import init_ids, label_samples, reply_samples, text_sample
+from edgekv.distill.shared import init_ids, label_samples, prompt_labels, reply_samples, text_sample
 from edgekv.distill.student import sample_loss
 from edgekv.kv.export import KVStoreError
 from edgekv.kv.shared_prefix import SharedPrefix, gate, write_shared_prefix
@@ -713,6 +713,13 @@ def test_replies_train_beside_the_text_only_for_named_sources(pair, prompts, tmp
     assert info["reply_samples"] == len(TOPICS) - len(held) and named["synthetic_samples"] == 2 * len(TOPICS) - 2
     assert info["initial_held_out_kl"] == pytest.approx(plain["shared_prefix"]["initial_held_out_kl"])
     assert named["log"][-1]["held_out_kl"] != pytest.approx(plain["log"][-1]["held_out_kl"])  # replies trained
+    # a record whose labels are an empty list has none (the MMLU-format prompts of the real sets)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(prompts.read_text() + json.dumps({"name": "p6", "system_prompt": "System: a note. " * 3,
+                                                       "labels": []}) + "\n")
+    assert sorted(prompt_labels(str(empty), required=False)) == [f"p{i}" for i in range(len(TOPICS))]
+    with pytest.raises(EdgeKVError, match="7: shared_targets labels needs 'labels'"):
+        prompt_labels(str(empty))
     # a source not named adds nothing; a rerun reads every target back (text and replies), the same prefix
     other = run_distill(_cfg(tmp_path / "o", prompts, reply_sources=["sharegpt"], **kw), models=(cloud, edge))["shared"]
     assert other["shared_prefix"]["reply_samples"] == 0
