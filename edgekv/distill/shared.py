@@ -97,16 +97,24 @@ def reading(edge: LoadedModel, student: Student, ids: torch.Tensor, grad: bool =
     return joined(prefix, own)
 
 
-def label_samples(edge: LoadedModel, labels: list[dict], tokens: int) -> list[Sample]:
-    """(user, reference) pairs as samples whose one target per row is the next token (log-prob 0: one-hot); the
-    reference cut to its first `tokens` tokens, as the eval scores it."""
+def label_ids(edge: LoadedModel, labels: list[dict], tokens: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(index, user ids, reference ids) of each (user, reference) pair whose both parts are non-empty, the reference
+    cut to its first `tokens` tokens, as the eval scores it."""
     out = []
-    for pair in labels:
+    for j, pair in enumerate(labels):
         user = torch.tensor(edge.tokenizer(pair["user"], add_special_tokens=False)["input_ids"], dtype=torch.long)
         ref = reference_ids(edge.tokenizer, pair["reference"], tokens)
-        if user.numel() and ref.numel():  # a one-token reference (MMLU's gold letter) is one row of loss
-            seq = torch.cat([user, ref])
-            out.append(Sample("label", user, ref, seq[1:, None], torch.zeros(seq.numel() - 1, 1)))
+        if user.numel() and ref.numel():  # a one-token reference (MMLU's gold letter) counts
+            out.append((j, user, ref))
+    return out
+
+
+def label_samples(edge: LoadedModel, labels: list[dict], tokens: int) -> list[Sample]:
+    """(user, reference) pairs as samples whose one target per row is the next token (log-prob 0: one-hot)."""
+    out = []
+    for _, user, ref in label_ids(edge, labels, tokens):
+        seq = torch.cat([user, ref])
+        out.append(Sample("label", user, ref, seq[1:, None], torch.zeros(seq.numel() - 1, 1)))
     return out
 
 
@@ -153,11 +161,7 @@ def reply_samples(teacher: LoadedModel, edge: LoadedModel, ids: torch.Tensor, la
     reading prompt + turn + reply in one forward (a conversation's next turn is its own text, not an annotation).
     Returns (samples, the recorded teacher seconds of those read back, how many were read back)."""
     h, out, seconds, read_back = ids.numel() // 2, [], 0.0, 0
-    for j, pair in enumerate(labels):
-        user = torch.tensor(edge.tokenizer(pair["user"], add_special_tokens=False)["input_ids"], dtype=torch.long)
-        ref = reference_ids(edge.tokenizer, pair["reference"], tokens)
-        if not user.numel() or not ref.numel():
-            continue
+    for j, user, ref in label_ids(edge, labels, tokens):
         top_ids, top_logp, s, kept = _teacher_rows(teacher, torch.cat([ids, user, ref]), h, top_k, where,
                                                    f"reply{j}")
         out.append(Sample("reply", torch.cat([ids[h:], user]), ref, top_ids, top_logp))
