@@ -731,3 +731,24 @@ def test_replies_train_beside_the_text_only_for_named_sources(pair, prompts, tmp
     assert again["log"][-1]["held_out_kl"] == named["log"][-1]["held_out_kl"]
     with pytest.raises(EdgeKVError, match="adds replies to text targets"):
         _cfg(tmp_path / "b", prompts, shared_targets="teacher", reply_sources=["sharegpt"]).validate()
+
+
+def test_reply_weight_splits_a_conversations_step_between_its_text_and_its_replies(pair, prompts, tmp_path):
+    cloud, edge = pair
+    kw = dict(shared_targets="text", batch=1, steps=8, eval_every=4, synthetic_dir=str(tmp_path / "keep"))
+    names = [f"p{i}" for i in range(len(TOPICS))]
+
+    def kls(name: str, **more) -> list[float]:
+        report = run_distill(_cfg(tmp_path / name, prompts, **kw, **more), models=(cloud, edge))["shared"]
+        return [e["held_out_kl"] for e in report["log"] if "held_out_kl" in e]
+
+    plain, equal = kls("plain"), kls("equal", reply_sources=names)
+    # w = 0: the replies are read but weigh nothing, so it trains exactly as the text alone
+    assert kls("w0", reply_sources=names, reply_weight=0.0) == plain
+    # w = 0.5 with one reply a conversation is the equal average; w = 1 trains on the replies alone
+    assert kls("w05", reply_sources=names, reply_weight=0.5) == pytest.approx(equal, rel=1e-6)
+    alone = kls("w1", reply_sources=names, reply_weight=1.0)
+    assert alone[1:] != pytest.approx(plain[1:]) and alone[1:] != pytest.approx(equal[1:])
+    for bad in (dict(reply_weight=0.5), dict(reply_sources=names, reply_weight=1.5)):
+        with pytest.raises(EdgeKVError, match="--reply-weight weighs"):
+            _cfg(tmp_path / "b", prompts, **kw, **bad).validate()

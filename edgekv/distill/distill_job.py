@@ -139,6 +139,9 @@ class DistillConfig(ModelSettings):
         help="Shared prefix, text targets: training prompts of these sources (name prefix SOURCE-) whose labels are "
              "a conversation's next turns also learn the teacher on each reply, read after the whole prompt.",
         factory=list)
+    reply_weight: float | None = setting(
+        None, "Shared prefix, replies: a conversation's step is (1 - w) x its text loss + w x its replies' mean "
+              "(1: the replies alone).", shown="every sample weighted alike")
     catalog: str | None = setting(None, "Also put each export in this catalog (folder or fsspec URL).")
     ray: str | None = ray_setting()
     workers: int = workers_setting()
@@ -192,6 +195,8 @@ class DistillConfig(ModelSettings):
                 raise EdgeKVError(f"--shared-targets must be teacher, labels or text, got '{self.shared_targets}'")
             if self.reply_sources and self.shared_targets != "text":
                 raise EdgeKVError("--reply-sources adds replies to text targets (--shared-targets text)")
+            if self.reply_weight is not None and (not self.reply_sources or not 0 <= self.reply_weight <= 1):
+                raise EdgeKVError("--reply-weight weighs --reply-sources' replies: give both, the weight in [0, 1]")
             if self.shared_tokens < 0 or self.held_prompts < 1 or self.held_samples < 1:
                 raise EdgeKVError("--shared-tokens must be ≥ 0, --held-prompts and held_samples ≥ 1")
 

@@ -17,8 +17,9 @@ reading the prompt's first half after the prefix, learns the teacher's top-k on 
 sample a prompt, so `batch: 1`). It is the cheapest teacher data there is, a prompt's worth of targets for one
 forward pass; the gate (`kv/shared_prefix.py`) checks much the same KL, on the same half of a prompt. With
 `reply_sources`, a conversation's prompt also carries its next turns (the JSONL's `labels`: the user turn and the
-reply, as the eval lays a request out) and its step averages the text's loss and each reply's, toward the teacher
-reading the whole conversation: the eval scores replies, and the text targets only reach them by chance.
+reply, as the eval lays a request out) and its step averages the text's loss and each reply's (or, with
+`reply_weight` w, takes (1 - w) of the text's and w of the replies' mean), toward the teacher reading the whole
+conversation: the eval scores replies, and the text targets only reach them by chance.
 
 `shared_targets: labels` is `prefix-sft`, the reference a reviewer asks for: the same K tokens trained by
 next-token loss on the training prompts' own (user, reference) pairs (the JSONL's `labels`), labels the cloud path
@@ -246,6 +247,11 @@ def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel | None, prompts: lis
         prefix = reading(edge, student, ids[p], cfg.grad_through_prompt)
         if cfg.shared_targets == "text":  # the prompt's text and its replies, all on one prefill of its first half
             picks = sets[p]
+            w = cfg.reply_weight
+            if w is not None and p in replies:  # sets[p] is [text, *replies]
+                text = 0.0 if w == 1 else (1 - w) * sample_loss(edge, prefix, picks[0], cfg.query_loss)
+                more = picks[1:] if w else []
+                return text + w * sum(sample_loss(edge, prefix, s, cfg.query_loss) for s in more) / max(len(more), 1)
         else:
             picks = [sets[p][example_index(step * cfg.batch + j, len(sets[p]), cfg.seed + 1)]
                      for j in range(cfg.batch)]
@@ -275,7 +281,8 @@ def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel | None, prompts: lis
             **rate_info(cfg), "batch": cfg.batch,
             "freeze_first": student.freeze_first, "query_loss": cfg.query_loss,
             "grad_through_prompt": cfg.grad_through_prompt, "init_text": cfg.shared_init, "seed": cfg.seed,
-            "reply_sources": cfg.reply_sources, "reply_samples": sum(map(len, replies.values()))}
+            "reply_sources": cfg.reply_sources, "reply_weight": cfg.reply_weight,
+            "reply_samples": sum(map(len, replies.values()))}
     path = write_shared_prefix(out / "prefix", edge, student.kv(), first, info, cfg.quant)
     report = {"out": str(path), "shared_prefix": info, "teach_s": teach_s, "train_s": train_s,
               "train_s_all_processes": total is not None,
