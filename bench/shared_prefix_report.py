@@ -72,16 +72,17 @@ def share_of_oracle(rows: list[dict], conditions: dict[str, str]) -> dict:
     return out
 
 
-def gate_split(rows: list[dict]) -> dict:
+def gate_split(rows: list[dict], ungated: str = "edgeprompt-shared") -> dict:
     """Per source, where the gate (`edgeprompt-shared-gated`) read the prefix (its request read more tokens than
-    EdgePrompt's) and where it declined it, with the ungated prefix's mean Δ vs EdgePrompt on each part: a gate
-    worth its cloud seconds declines where the prefix hurts and reads where it helps."""
+    EdgePrompt's) and where it declined it, with the ungated prefix's mean Δ vs EdgePrompt on each part (`ungated`:
+    the condition that reads the gated prefix on every request): a gate worth its cloud seconds declines where the
+    prefix hurts and reads where it helps."""
     out: dict[str, dict] = {}
     for source in dict.fromkeys(r["dataset"] for r in rows):
         by = {(r["strategy"], r["id"]): r for r in rows if r["dataset"] == source}
         parts: dict[str, list[float]] = {"read": [], "declined": []}
         for (s, i), g in by.items():
-            ep, shared = by.get(("edgeprompt", i)), by.get(("edgeprompt-shared", i))
+            ep, shared = by.get(("edgeprompt", i)), by.get((ungated, i))
             if s != "edgeprompt-shared-gated" or ep is None or shared is None:
                 continue
             part = "read" if g["system_tokens"] > ep["system_tokens"] else "declined"
@@ -119,6 +120,8 @@ def main() -> None:
                     help="a run of edgeprompt-shared under another prefix, reported as edgeprompt-shared@NAME")
     ap.add_argument("--against", default=None, metavar="NAME",
                     help="contrast the variants with variant NAME (a control) instead of the shipped prefix")
+    ap.add_argument("--gated", default=None, metavar="NAME",
+                    help="the gated runs read variant NAME's prefix: split the gate's requests by its rows")
     ap.add_argument("--exclude", action="append", default=[], metavar="DATASET:ID",
                     help="leave this request out of every cell (its source's excluded_requests in summary.json)")
     args = ap.parse_args()
@@ -136,13 +139,20 @@ def main() -> None:
         runs.append(Path(run))
         relabel[Path(run)] = {"edgeprompt-shared": f"edgeprompt-shared@{name}"}
     try:
+        if args.gated is not None and args.gated not in [name for name, _, _ in variants]:
+            raise EdgeKVError(f"--gated {args.gated}: no --variant of that name")
         spec = with_variants(SHARED, [name for name, _, _ in variants], args.against)
+        if args.gated is not None:  # the gate against the prefix it gated, read on every request
+            contrasts = {k: v for k, v in spec.contrasts.items() if v[0] != "edgeprompt-shared-gated"}
+            ungated = f"edgeprompt-shared@{args.gated}"
+            spec = replace(spec, contrasts={**contrasts, f"edgeprompt-shared-gated - {ungated}":
+                                            ("edgeprompt-shared-gated", ungated)})
         summary = write_distill_report(runs, args.out, spec=spec, relabel=relabel, exclude=exclude)
     except EdgeKVError as exc:
         raise SystemExit(f"error: {exc}") from None
     rows = [json.loads(line) for line in (args.out / "rows.jsonl").read_text(encoding="utf-8").splitlines() if line]
     extra = {"decomposition": decomposition(rows), "share_of_oracle": share_of_oracle(rows, spec.conditions)}
-    if gates := gate_split(rows):
+    if gates := gate_split(rows, "edgeprompt-shared" if args.gated is None else f"edgeprompt-shared@{args.gated}"):
         extra["gate"] = gates
     if args.prefix is not None:
         report = json.loads((args.prefix / "report.json").read_text(encoding="utf-8"))

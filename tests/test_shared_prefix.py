@@ -479,6 +479,12 @@ def test_report_splits_the_gates_requests_by_what_it_chose():
     assert split["read"]["ungated_delta_mean"] == pytest.approx(-0.2)
     assert split["declined"]["ungated_delta_mean"] == pytest.approx(-0.1)
     assert gate_split([r for r in rows if r["strategy"] != "edgeprompt-shared-gated"]) == {}
+    # the gated runs read another prefix (a variant): its rows split the gate's requests, not the shipped prefix's
+    other = [{**r, "strategy": "edgeprompt-shared@v", "ref_nll": 2 * r["ref_nll"] - 1.0} for r in rows
+             if r["strategy"] == "edgeprompt-shared"]
+    split = gate_split(rows + other, "edgeprompt-shared@v")["mmlu"]
+    assert split["read"]["ungated_delta_mean"] == pytest.approx(-0.4)
+    assert split["declined"]["ungated_delta_mean"] == pytest.approx(-0.2)
 
 
 def test_report_keeps_a_source_a_strategy_skipped_and_relabels_a_runs_prefix(tmp_path, monkeypatch):
@@ -493,7 +499,8 @@ def test_report_keeps_a_source_a_strategy_skipped_and_relabels_a_runs_prefix(tmp
         (d / "config.json").write_text(json.dumps({"datasets": sorted({ds for ds, _, _ in rows})}))
         (d / "results.jsonl").write_text("".join(json.dumps(
             {"dataset": ds, "id": f"{ds}{i}", "strategy": s, "ref_nll": v + 0.01 * i, "bytes_cloud_to_edge": 1,
-             "cloud_s": 0.0}) + "\n" for i in range(4) for ds, s, v in rows))
+             "cloud_s": 0.0, "system_tokens": 42 if "shared" in s else 10}) + "\n"
+            for i in range(4) for ds, s, v in rows))
         return d
 
     both = [(ds, s, v) for ds in ("xsum", "mmlu") for s, v in
@@ -543,6 +550,20 @@ def test_report_keeps_a_source_a_strategy_skipped_and_relabels_a_runs_prefix(tmp
     with pytest.raises(SystemExit, match="^error: --against k16: no --variant of that name$"):
         main()
     assert not (tmp_path / "out-g").exists()
+    monkeypatch.setattr("sys.argv", ["x", str(tmp_path / "out-g"), str(a), "--variant", f"k64={k}", "--gated", "k16"])
+    with pytest.raises(SystemExit, match="^error: --gated k16: no --variant of that name$"):
+        main()
+    assert not (tmp_path / "out-g").exists()
+    # a gate run on a variant's prefix is contrasted with that variant, not with the shipped prefix
+    g = run("g", [("xsum", "edgeprompt-shared-gated", 2.8)])
+    monkeypatch.setattr("sys.argv", ["x", str(tmp_path / "out-v"), str(a), str(g), "--variant", f"k64={k}",
+                                     "--gated", "k64"])
+    main()
+    s = json.loads((tmp_path / "out-v" / "summary.json").read_text())["xsum"]
+    assert s["edgeprompt-shared-gated - edgeprompt-shared@k64"]["delta_mean"] == pytest.approx(0.3)
+    assert "edgeprompt-shared-gated - edgeprompt-shared" not in s
+    gate = json.loads((tmp_path / "out-v" / "summary.json").read_text())["gate"]["xsum"]  # split by k64's rows
+    assert gate["read"]["n"] == 4 and gate["read"]["ungated_delta_mean"] == pytest.approx(-0.5)
     # goal (4): the prefix's gain as a share of oracle-kv's on the same requests (−0.1 of −0.5), only where
     # oracle-kv ran (XSum), the cloud's NLL out of it
     rows = [json.loads(line) for line in (tmp_path / "out" / "rows.jsonl").read_text().splitlines() if line]
