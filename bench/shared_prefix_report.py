@@ -138,13 +138,13 @@ def main() -> None:
     for name, _, run in variants:
         runs.append(Path(run))
         relabel[Path(run)] = {"edgeprompt-shared": f"edgeprompt-shared@{name}"}
+    ungated = "edgeprompt-shared" if args.gated is None else f"edgeprompt-shared@{args.gated}"  # the gated prefix
     try:
         if args.gated is not None and args.gated not in [name for name, _, _ in variants]:
             raise EdgeKVError(f"--gated {args.gated}: no --variant of that name")
         spec = with_variants(SHARED, [name for name, _, _ in variants], args.against)
         if args.gated is not None:  # the gate against the prefix it gated, read on every request
             contrasts = {k: v for k, v in spec.contrasts.items() if v[0] != "edgeprompt-shared-gated"}
-            ungated = f"edgeprompt-shared@{args.gated}"
             spec = replace(spec, contrasts={**contrasts, f"edgeprompt-shared-gated - {ungated}":
                                             ("edgeprompt-shared-gated", ungated)})
         summary = write_distill_report(runs, args.out, spec=spec, relabel=relabel, exclude=exclude)
@@ -152,7 +152,7 @@ def main() -> None:
         raise SystemExit(f"error: {exc}") from None
     rows = [json.loads(line) for line in (args.out / "rows.jsonl").read_text(encoding="utf-8").splitlines() if line]
     extra = {"decomposition": decomposition(rows), "share_of_oracle": share_of_oracle(rows, spec.conditions)}
-    if gates := gate_split(rows, "edgeprompt-shared" if args.gated is None else f"edgeprompt-shared@{args.gated}"):
+    if gates := gate_split(rows, ungated):
         extra["gate"] = gates
     if args.prefix is not None:
         report = json.loads((args.prefix / "report.json").read_text(encoding="utf-8"))
