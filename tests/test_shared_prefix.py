@@ -773,3 +773,31 @@ def test_reply_weight_splits_a_conversations_step_between_its_text_and_its_repli
     for bad in (dict(reply_weight=0.5), dict(reply_sources=names, reply_weight=1.5)):
         with pytest.raises(EdgeKVError, match="--reply-weight weighs"):
             _cfg(tmp_path / "b", prompts, **kw, **bad).validate()
+
+
+def test_reply_step_weight_scales_only_the_conversations_steps(pair, prompts, tmp_path):
+    cloud, edge = pair
+    kw = dict(shared_targets="text", batch=1, steps=6, eval_every=3, synthetic_dir=str(tmp_path / "keep"))
+    names = [f"p{i}" for i in range(len(TOPICS))]
+
+    def run(name: str, **more) -> dict:
+        return run_distill(_cfg(tmp_path / name, prompts, **kw, **more), models=(cloud, edge))["shared"]
+
+    def kls(report: dict) -> list[float]:
+        return [e["held_out_kl"] for e in report["log"] if "held_out_kl" in e]
+
+    base = run("base", reply_sources=names, reply_weight=1.0)
+    one = run("one", reply_sources=names, reply_weight=1.0, reply_step_weight=1.0)
+    quarter = run("quarter", reply_sources=names, reply_weight=1.0, reply_step_weight=0.25)
+    assert kls(one) == kls(base)  # 1 is the unset weight exactly
+    # every training prompt is a conversation here: the first step, from the same start, is a quarter of the loss
+    first = [next(e["train_loss"] for e in r["log"] if e["step"] == 1) for r in (base, quarter)]
+    assert first[1] == pytest.approx(0.25 * first[0], rel=1e-6)
+    assert kls(quarter)[1:] != pytest.approx(kls(base)[1:])
+    assert quarter["shared_prefix"]["reply_step_weight"] == 0.25
+    # a prompt that is not a named conversation keeps its whole step
+    none_named = run("none", reply_sources=["sharegpt"], reply_step_weight=0.1)
+    assert kls(none_named) == kls(run("plain"))
+    for bad in (dict(reply_step_weight=0.5), dict(reply_sources=names, reply_step_weight=0.0)):
+        with pytest.raises(EdgeKVError, match="--reply-step-weight scales"):
+            _cfg(tmp_path / "b", prompts, **kw, **bad).validate()

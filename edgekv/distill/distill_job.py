@@ -142,6 +142,9 @@ class DistillConfig(ModelSettings):
     reply_weight: float | None = setting(
         None, "Shared prefix, replies: a conversation's step is (1 - w) x its text loss + w x its replies' mean "
               "(1: the replies alone).", shown="every sample weighted alike")
+    reply_step_weight: float | None = setting(
+        None, "Shared prefix, replies: a conversation's whole step loss times this (115/400: 400 conversations "
+              "weigh in the gradient as 115 do).", shown="1")
     catalog: str | None = setting(None, "Also put each export in this catalog (folder or fsspec URL).")
     ray: str | None = ray_setting()
     workers: int = workers_setting()
@@ -197,6 +200,8 @@ class DistillConfig(ModelSettings):
                 raise EdgeKVError("--reply-sources adds replies to text targets (--shared-targets text)")
             if self.reply_weight is not None and (not self.reply_sources or not 0 <= self.reply_weight <= 1):
                 raise EdgeKVError("--reply-weight weighs --reply-sources' replies: give both, the weight in [0, 1]")
+            if self.reply_step_weight is not None and (not self.reply_sources or not self.reply_step_weight > 0):
+                raise EdgeKVError("--reply-step-weight scales --reply-sources' steps: give both, the weight > 0")
             if self.shared_tokens < 0 or self.held_prompts < 1 or self.held_samples < 1:
                 raise EdgeKVError("--shared-tokens must be ≥ 0, --held-prompts and held_samples ≥ 1")
 

@@ -19,7 +19,8 @@ forward pass; the gate (`kv/shared_prefix.py`) checks much the same KL, on the s
 `reply_sources`, a conversation's prompt also carries its next turns (the JSONL's `labels`: the user turn and the
 reply, as the eval lays a request out) and its step averages the text's loss and each reply's (or, with
 `reply_weight` w, takes (1 - w) of the text's and w of the replies' mean), toward the teacher reading the whole
-conversation: the eval scores replies, and the text targets only reach them by chance.
+conversation: the eval scores replies, and the text targets only reach them by chance. `reply_step_weight` scales
+such a step's whole loss, so more conversations can keep the gradient share fewer had.
 
 `shared_targets: labels` is `prefix-sft`, the reference a reviewer asks for: the same K tokens trained by
 next-token loss on the training prompts' own (user, reference) pairs (the JSONL's `labels`), labels the cloud path
@@ -244,6 +245,11 @@ def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel | None, prompts: lis
 
     def loss(step: int) -> torch.Tensor:
         p = train_idx[example_index(step, len(train_idx), cfg.seed)]
+        if p in replies and cfg.reply_step_weight is not None:  # a conversation's share of the gradient
+            return cfg.reply_step_weight * step_loss(step, p)
+        return step_loss(step, p)
+
+    def step_loss(step: int, p: int) -> torch.Tensor:
         prefix = reading(edge, student, ids[p], cfg.grad_through_prompt)
         if cfg.shared_targets == "text":  # the prompt's text and its replies, all on one prefill of its first half
             picks = sets[p]
@@ -282,6 +288,7 @@ def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel | None, prompts: lis
             "freeze_first": student.freeze_first, "query_loss": cfg.query_loss,
             "grad_through_prompt": cfg.grad_through_prompt, "init_text": cfg.shared_init, "seed": cfg.seed,
             "reply_sources": cfg.reply_sources, "reply_weight": cfg.reply_weight,
+            "reply_step_weight": cfg.reply_step_weight,
             "reply_samples": sum(map(len, replies.values()))}
     path = write_shared_prefix(out / "prefix", edge, student.kv(), first, info, cfg.quant)
     report = {"out": str(path), "shared_prefix": info, "teach_s": teach_s, "train_s": train_s,
