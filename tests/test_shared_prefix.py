@@ -559,10 +559,11 @@ def test_report_keeps_a_source_a_strategy_skipped_and_relabels_a_runs_prefix(tmp
     monkeypatch.setattr("sys.argv", ["x", str(tmp_path / "out-v"), str(a), str(g), "--variant", f"k64={k}",
                                      "--gated", "k64"])
     main()
-    s = json.loads((tmp_path / "out-v" / "summary.json").read_text())["xsum"]
+    summary = json.loads((tmp_path / "out-v" / "summary.json").read_text())
+    s = summary["xsum"]
     assert s["edgeprompt-shared-gated - edgeprompt-shared@k64"]["delta_mean"] == pytest.approx(0.3)
     assert "edgeprompt-shared-gated - edgeprompt-shared" not in s
-    gate = json.loads((tmp_path / "out-v" / "summary.json").read_text())["gate"]["xsum"]  # split by k64's rows
+    gate = summary["gate"]["xsum"]  # split by k64's rows
     assert gate["read"]["n"] == 4 and gate["read"]["ungated_delta_mean"] == pytest.approx(-0.5)
     # goal (4): the prefix's gain as a share of oracle-kv's on the same requests (−0.1 of −0.5), only where
     # oracle-kv ran (XSum), the cloud's NLL out of it
