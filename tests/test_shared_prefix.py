@@ -8,11 +8,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -802,3 +804,30 @@ def test_reply_step_weight_scales_only_the_conversations_steps(pair, prompts, tm
     for bad in (dict(reply_step_weight=0.5), dict(reply_sources=names, reply_step_weight=0.0)):
         with pytest.raises(EdgeKVError, match="--reply-step-weight scales"):
             _cfg(tmp_path / "b", prompts, **kw, **bad).validate()
+
+
+def test_keep_last_exports_the_state_training_ended_on(pair, prompts, tmp_path):
+    cloud, edge = pair
+    ended = run_distill(_cfg(tmp_path / "a", prompts), models=(cloud, edge))["shared"]  # 12 steps
+    early = run_distill(_cfg(tmp_path / "e", prompts, steps=4), models=(cloud, edge))["shared"]
+    # a finished 12-step checkpoint whose best state is another run's step 4, so best and last differ for sure
+    for name in ("b", "l"):
+        shutil.copytree(tmp_path / "a" / "s" / "train", tmp_path / name / "s" / "train")
+        for f in ("best.safetensors", "best.json"):
+            shutil.copy(tmp_path / "e" / "s" / "train" / f, tmp_path / name / "s" / "train" / f)
+    best = run_distill(_cfg(tmp_path / "b", prompts), models=(cloud, edge))["shared"]
+    last = run_distill(_cfg(tmp_path / "l", prompts, keep="last"), models=(cloud, edge))["shared"]
+    assert best["shared_prefix"]["best_step"] == 4 and "keep" not in best["shared_prefix"]
+    s = last["shared_prefix"]  # no step trained again: the log is the finished run's
+    assert s["keep"] == "last" and s["best_step"] == s["steps"] == 12 and last["log"] == ended["log"]
+    assert s["held_out_kl"] == ended["log"][-1]["held_out_kl"]
+    state = load_file(str(tmp_path / "l" / "s" / "train" / "state.safetensors"))
+    names = sorted(f"{i}.{kv}" for i in range(edge.num_layers) for kv in "kv")  # Student.parameters' order
+    a, b, e = (SharedPrefix(r["out"], edge) for r in (last, best, early))
+    for i in range(edge.num_layers):
+        k = state[f"param.{names.index(f'{i}.k')}"]
+        assert torch.equal(a.prefix.layer(i)[0], k.reshape(a.prefix.layer(i)[0].shape))
+        assert torch.equal(b.prefix.layer(i)[0], e.prefix.layer(i)[0])
+        assert not torch.equal(a.prefix.layer(i)[0], b.prefix.layer(i)[0])
+    with pytest.raises(EdgeKVError, match="--keep must be best or last"):
+        _cfg(tmp_path / "c", prompts, keep="first").validate()

@@ -34,6 +34,7 @@ from edgekv.distill.student import (
     RULES,
     Student,
     initial_student,
+    kept_info,
     rate_info,
     split_samples,
     train_student,
@@ -115,6 +116,8 @@ class DistillConfig(ModelSettings):
     lr_schedule: str = setting("constant", "The learning rate over the steps: constant, or cosine (to 0 at --steps).")
     eval_every: int = 5
     patience: int = 3  # held-out evaluations without improvement before stopping
+    keep: str = setting("best", "The trained state exported: best (the lowest held-out KL) or last (where "
+                                "training ended).")
     quant: str = setting("bf16", "Export codec: fp32, fp16, bf16, int8, int4.")
     prune_ratio: float = 0.0  # ThinK on top of the trained KV
     window: int = 32
@@ -181,6 +184,8 @@ class DistillConfig(ModelSettings):
             raise EdgeKVError("on_policy must be in [0, 1]; window_tokens and teacher_batch ≥ 1")
         if not 0 < self.held_out < 1 or self.top_k < 1 or self.eval_every < 1 or self.patience < 1:
             raise EdgeKVError("held_out must be in (0, 1); top_k, eval_every and patience ≥ 1")
+        if self.keep not in ("best", "last"):
+            raise EdgeKVError(f"--keep must be best or last, got '{self.keep}'")
         if self.lr_schedule not in ("constant", "cosine"):
             raise EdgeKVError(f"--lr-schedule must be constant or cosine, got '{self.lr_schedule}'")
         if self.batch < 1 or self.freeze_first < 0:
@@ -261,7 +266,8 @@ def distill_one(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, nam
         "answer_tokens": int(sum(s.answer.numel() for s in samples)),
         "supervised_tokens": int(sum(s.answer.numel() + (s.user.numel() - 1) * cfg.query_loss for s in train)),
         "on_policy_samples": sum(s.policy == "student" for s in samples), "seed": cfg.seed, "seeds": cfg.seeds,
-        "freeze_first": cfg.freeze_first, "query_loss": cfg.query_loss, "batch": cfg.batch, **rate_info(cfg)})
+        "freeze_first": cfg.freeze_first, "query_loss": cfg.query_loss, "batch": cfg.batch, **rate_info(cfg),
+        **kept_info(cfg)})
     report.update({k: meta.get(k) for k in ("generate_s", "targets_s", "prefill_s", "teach_s", "student_s",
                                             "score_s")}, train_s=train_s, log=log_)
     if log_:

@@ -169,11 +169,18 @@ def rate_info(cfg: Any) -> dict:
     return {"lr": cfg.lr, **({"lr_schedule": cfg.lr_schedule} if cfg.lr_schedule != "constant" else {})}
 
 
+def kept_info(cfg: Any) -> dict:
+    """Which trained state an export holds, as its manifest records it: only when not the best, so manifests from
+    before the setting existed stay as they were."""
+    return {"keep": cfg.keep} if cfg.keep != "best" else {}
+
+
 def train_prefix(cfg: Any, edge: LoadedModel, student: Student, loss: Callable[[int], torch.Tensor],
                  held_kl: Callable[[], float], checkpoint: Path, tasks: Tasks, title: str) -> tuple[list[dict], dict]:
     """train_loop on a trainable prefix (`cfg`: lr, lr_schedule, steps, eval_every, patience) with the step's
     `loss`; the held-out KL every `eval_every` steps; the best held-out state is kept (in the checkpoint, so a
-    resumed run knows it) and restored at the end; stops after `patience` evaluations without improvement."""
+    resumed run knows it) and restored at the end (`keep: last`: the state training ended on, with its held-out KL,
+    is kept instead); stops after `patience` evaluations without improvement."""
     if cfg.steps > 0 and edge.quantization and edge.quantization.get("quantized"):
         raise EdgeKVError("training a KV (per prompt or shared) needs the gradient through the edge, and its "
                           "quantized linears have no backward: load the edge with --weights bf16")
@@ -203,6 +210,9 @@ def train_prefix(cfg: Any, edge: LoadedModel, student: Student, loss: Callable[[
         schedule = cosine(cfg.steps) if cfg.lr_schedule == "cosine" else None
         log_ = train_loop(trainee, cfg.steps, cfg.lr, checkpoint, cfg.eval_every, tasks.task(title, cfg.steps), stop,
                           schedule)
+    if cfg.keep == "last":  # a finished run's checkpoint holds its last state: resumed, no step trains again
+        kl = log_[-1].get("held_out_kl") if log_ else None  # the loop evaluates the step it ends on
+        return log_, {"step": log_[-1]["step"] if log_ else 0, "kl": kl if kl is not None else held_kl()}
     if not snapshot and best_path.exists():
         snapshot.update(load_file(str(best_path)))
     with torch.no_grad():
