@@ -5,6 +5,7 @@ import math
 import re
 import shutil
 import statistics
+import warnings
 
 import pytest
 from typer.testing import CliRunner
@@ -506,4 +507,7 @@ def test_distill_summary_pairs_and_gap_closed():
     assert s["distill - distill-v1"]["delta_mean"] == pytest.approx(-0.3 + 0.025)
     assert s["gap_closed_by_distill-v1"]["fraction"] == pytest.approx(0.2)
     assert s["gap_closed_by_fuse"]["fraction"] == pytest.approx(0.1)
-    assert math.isnan(gap_closed([1.0, 2.0], [1.0, 2.0], [1.0, 2.0])["fraction"])  # no gap: undefined, no error
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no gap: undefined, with neither an error nor a numpy warning
+        none = gap_closed([1.0, 2.0], [1.0, 2.0], [1.0, 2.0])
+    assert all(math.isnan(none[k]) for k in ("fraction", "ci95_lo", "ci95_hi"))

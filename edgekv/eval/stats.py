@@ -62,5 +62,8 @@ def gap_closed(edge: Sequence[float], method: Sequence[float], ceiling: Sequence
     rng = np.random.default_rng(seed)
     draws = frac(x[rng.integers(0, len(rows), size=(samples, len(rows)))])
     alpha = (1 - level) / 2
-    lo, hi = np.nanquantile(draws, [alpha, 1 - alpha])
+    finite = draws[~np.isnan(draws)]
+    if finite.size == 0:  # no resample has a gap: the interval is as undefined as the point, without numpy's warning
+        return {"n": len(rows), "fraction": point, "ci95_lo": float("nan"), "ci95_hi": float("nan")}
+    lo, hi = np.quantile(finite, [alpha, 1 - alpha])
     return {"n": len(rows), "fraction": point, "ci95_lo": float(lo), "ci95_hi": float(hi)}
