@@ -88,14 +88,14 @@ def test_shipped_shared_prefix_configs_load():
 
 
 def test_the_shipped_shared_prefix_is_what_its_config_trains():
-    """prefixes/default-k32's manifest records the recipe of configs/distill-shared-news-replies.yaml (targets,
-    replies, K, sink freeze, optimiser, seed, init text, the training prompts' hash): the file states the recipe the
-    shipped prefix was trained with."""
+    """prefixes/default-k32's manifest records the recipe of configs/distill-shared-news-replies-400-last.yaml
+    (targets, replies, K, sink freeze, optimiser, seed, init text, the state kept, the training prompts' hash): the file
+    states the recipe the shipped prefix was trained with."""
     from edgekv.distill.distill_job import DistillConfig
     from edgekv.distill.shared import prompts_hash
     from edgekv.texts import read_prompts
 
-    cfg = load_config(DistillConfig, "distill", ROOT / "configs/distill-shared-news-replies.yaml", {})
+    cfg = load_config(DistillConfig, "distill", ROOT / "configs/distill-shared-news-replies-400-last.yaml", {})
     info = json.loads((ROOT / "prefixes/default-k32/manifest.json").read_text(encoding="utf-8"))["shared_prefix"]
     assert info["prompts_sha256"] == prompts_hash(read_prompts(ROOT / cfg.prompts))
     assert info["steps"] <= cfg.steps and info["targets"] == cfg.shared_targets and info["teacher"] == cfg.teacher
@@ -106,6 +106,7 @@ def test_the_shipped_shared_prefix_is_what_its_config_trains():
     got["reply_step_weight"] = info.get("reply_step_weight")  # newer than the shipped manifest: absent means unset
     assert got == {k: getattr(cfg, setting.get(k, k)) for k in recipe}
     assert info.get("lr_schedule", "constant") == cfg.lr_schedule  # recorded only when not constant
+    assert info.get("keep", "best") == cfg.keep == "last" and info["best_step"] == info["steps"] == cfg.steps
 
 
 def test_shipped_config_pairs():
