@@ -102,9 +102,7 @@ def test_the_shipped_shared_prefix_is_what_its_config_trains():
     setting = {"tokens": "shared_tokens", "init_text": "shared_init"}  # manifest keys named apart from the config's
     recipe = ("tokens", "freeze_first", "lr", "batch", "query_loss", "grad_through_prompt", "init_text", "seed",
               "reply_sources", "reply_weight", "reply_step_weight")
-    got = {k: info[k] for k in recipe if k != "reply_step_weight"}
-    got["reply_step_weight"] = info.get("reply_step_weight")  # newer than the shipped manifest: absent means unset
-    assert got == {k: getattr(cfg, setting.get(k, k)) for k in recipe}
+    assert {k: info[k] for k in recipe} == {k: getattr(cfg, setting.get(k, k)) for k in recipe}
     assert info.get("lr_schedule", "constant") == cfg.lr_schedule  # recorded only when not constant
     assert info.get("keep", "best") == cfg.keep == "last" and info["best_step"] == info["steps"] == cfg.steps
 
