@@ -169,6 +169,8 @@ def test_refusals(pair, tiny_models, prompts, tmp_path):
     (["--train-shared", "--on-policy", "0.5"], "teacher answers only"),
     (["--train-shared", "--held-prompts", "6"], "more than --held-prompts"),
     (["--train-shared", "--lr-schedule", "linear"], "--lr-schedule must be constant or cosine"),
+    (["--train-shared", "--lr-decay-from", "1"], "--lr-decay-from needs --lr-schedule cosine"),
+    (["--train-shared", "--lr-schedule", "cosine", "--lr-decay-from", "1"], "0 < it < --steps (1)"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tiny_models, prompts, tmp_path, args, message):
     if "--system-prompt" not in args:

@@ -114,3 +114,11 @@ def test_a_schedule_sets_each_steps_rate_and_resumes_exactly(tmp_path):
     assert torch.equal(again, straight)
     run(constant, 8, None)
     assert not torch.equal(constant, straight)  # the schedule changed the rates
+    # a decay from step 4: constant until then (a constant run's first 4 steps exactly), half a cosine to 0 at 8
+    late = cosine(8, 4)
+    assert [late(s) for s in (0, 3, 4, 8)] == [1.0, 1.0, 1.0, 0.0] and math.isclose(late(6), 0.5)
+    four_late, four_constant, eight_late = torch.zeros(3), torch.zeros(3), torch.zeros(3)
+    run(four_late, 4, late)
+    run(four_constant, 4, None)
+    run(eight_late, 8, late)
+    assert torch.equal(four_late, four_constant) and not torch.equal(eight_late, constant)

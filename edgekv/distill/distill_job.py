@@ -114,6 +114,7 @@ class DistillConfig(ModelSettings):
     steps: int = setting(30, "Most training steps.")
     lr: float = setting(5e-3, "Adam learning rate.")
     lr_schedule: str = setting("constant", "The learning rate over the steps: constant, or cosine (to 0 at --steps).")
+    lr_decay_from: int = setting(0, "Cosine: the step its decay starts from (the rate is constant before it).")
     eval_every: int = 5
     patience: int = 3  # held-out evaluations without improvement before stopping
     keep: str = setting("best", "The trained state exported: best (the lowest held-out KL) or last (where "
@@ -188,6 +189,9 @@ class DistillConfig(ModelSettings):
             raise EdgeKVError(f"--keep must be best or last, got '{self.keep}'")
         if self.lr_schedule not in ("constant", "cosine"):
             raise EdgeKVError(f"--lr-schedule must be constant or cosine, got '{self.lr_schedule}'")
+        if self.lr_decay_from and (self.lr_schedule != "cosine" or not 0 < self.lr_decay_from < self.steps):
+            raise EdgeKVError(f"--lr-decay-from needs --lr-schedule cosine and 0 < it < --steps ({self.steps}), got "
+                              f"{self.lr_decay_from}")
         if self.batch < 1 or self.freeze_first < 0:
             raise EdgeKVError("batch must be ≥ 1 and freeze_first ≥ 0")
         if self.train_shared and self.shared:

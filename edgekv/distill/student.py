@@ -166,7 +166,8 @@ def train_student(cfg: Any, edge: LoadedModel, student: Student, train: list[Sam
 def rate_info(cfg: Any) -> dict:
     """The learning rate as a manifest records it: its schedule only when not constant, so manifests of recipes
     from before the setting existed stay as they were."""
-    return {"lr": cfg.lr, **({"lr_schedule": cfg.lr_schedule} if cfg.lr_schedule != "constant" else {})}
+    return {"lr": cfg.lr, **({"lr_schedule": cfg.lr_schedule} if cfg.lr_schedule != "constant" else {}),
+            **({"lr_decay_from": cfg.lr_decay_from} if cfg.lr_decay_from else {})}
 
 
 def kept_info(cfg: Any) -> dict:
@@ -177,10 +178,10 @@ def kept_info(cfg: Any) -> dict:
 
 def train_prefix(cfg: Any, edge: LoadedModel, student: Student, loss: Callable[[int], torch.Tensor],
                  held_kl: Callable[[], float], checkpoint: Path, tasks: Tasks, title: str) -> tuple[list[dict], dict]:
-    """train_loop on a trainable prefix (`cfg`: lr, lr_schedule, steps, eval_every, patience) with the step's
-    `loss`; the held-out KL every `eval_every` steps; the best held-out state is kept (in the checkpoint, so a
-    resumed run knows it) and restored at the end (`keep: last`: the state training ended on, with its held-out KL,
-    is kept instead); stops after `patience` evaluations without improvement."""
+    """train_loop on a trainable prefix (`cfg`: lr, lr_schedule, lr_decay_from, steps, eval_every, patience) with
+    the step's `loss`; the held-out KL every `eval_every` steps; the best held-out state is kept (in the checkpoint,
+    so a resumed run knows it) and restored at the end (`keep: last`: the state training ended on, with its held-out
+    KL, is kept instead); stops after `patience` evaluations without improvement."""
     if cfg.steps > 0 and edge.quantization and edge.quantization.get("quantized"):
         raise EdgeKVError("training a KV (per prompt or shared) needs the gradient through the edge, and its "
                           "quantized linears have no backward: load the edge with --weights bf16")
@@ -207,7 +208,7 @@ def train_prefix(cfg: Any, edge: LoadedModel, student: Student, loss: Callable[[
     stop = lambda step: step - best["step"] >= cfg.patience * cfg.eval_every  # noqa: E731
     log_ = []
     if cfg.steps:
-        schedule = cosine(cfg.steps) if cfg.lr_schedule == "cosine" else None
+        schedule = cosine(cfg.steps, cfg.lr_decay_from) if cfg.lr_schedule == "cosine" else None
         log_ = train_loop(trainee, cfg.steps, cfg.lr, checkpoint, cfg.eval_every, tasks.task(title, cfg.steps), stop,
                           schedule)
     if cfg.keep == "last":  # a finished run's checkpoint holds its last state: resumed, no step trains again

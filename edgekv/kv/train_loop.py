@@ -25,9 +25,10 @@ def example_index(step: int, n: int, seed: int) -> int:
     return int(epoch[step % n])
 
 
-def cosine(steps: int) -> Callable[[int], float]:
-    """The learning rate's factor at step s (0-based): half a cosine from 1 to 0 over `steps`."""
-    return lambda step: 0.5 * (1 + math.cos(math.pi * min(step, steps) / max(steps, 1)))
+def cosine(steps: int, start: int = 0) -> Callable[[int], float]:
+    """The learning rate's factor at step s (0-based): 1 until `start`, then half a cosine from 1 to 0 at `steps`
+    (a constant run's last stretch decayed, so the steps before `start` are that run's steps exactly)."""
+    return lambda step: 0.5 * (1 + math.cos(math.pi * min(max(step - start, 0), steps - start) / max(steps - start, 1)))
 
 
 def optimizer_tensors(params: list[torch.Tensor], opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
