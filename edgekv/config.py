@@ -107,11 +107,15 @@ def _check_keys(keys: set[str], allowed: set[str], where: str) -> None:
         raise EdgeKVError(f"{where}: unknown key '{key}'" + (f" (did you mean '{hint[0]}'?)" if hint else ""))
 
 
-def read_yaml(path: str | Path) -> dict:
-    """A YAML mapping from a file, with one-line errors."""
+def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
+    """A YAML mapping from a file, with one-line errors. `extends: BASE.yaml` (relative to the file) reads BASE
+    first; the file's own keys win, and a section's keys are merged key by key, so a variant says only what it
+    changes."""
     path = Path(path)
     if not path.is_file():
         raise EdgeKVError(f"config file not found: {path}")
+    if path.resolve() in _seen:
+        raise EdgeKVError(f"{path}: 'extends' comes back to a file it started from")
     try:
         data = yaml.safe_load(read_text(path, "config file"))
     except yaml.YAMLError as exc:
@@ -122,7 +126,16 @@ def read_yaml(path: str | Path) -> dict:
         return {}
     if not isinstance(data, dict):
         raise EdgeKVError(f"{path}: expected a mapping of keys to values at the top level")
-    return data
+    base = data.pop("extends", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise EdgeKVError(f"{path}: 'extends' must name one config file")
+    merged = read_yaml(path.parent / base, (*_seen, path.resolve()))
+    for key, value in data.items():
+        both = isinstance(value, dict) and isinstance(merged.get(key), dict)
+        merged[key] = {**merged[key], **value} if both else value
+    return merged
 
 
 def load_config(cls: type[T], section: str, path: str | Path | None, overrides: dict[str, Any]) -> T:

@@ -104,6 +104,7 @@ def test_the_shipped_shared_prefix_is_what_its_config_trains():
               "reply_sources", "reply_weight", "reply_step_weight")
     assert {k: info[k] for k in recipe} == {k: getattr(cfg, setting.get(k, k)) for k in recipe}
     assert info.get("lr_schedule", "constant") == cfg.lr_schedule  # recorded only when not constant
+    assert info.get("lr_decay_from", 0) == cfg.lr_decay_from
     assert info.get("keep", "best") == cfg.keep == "last" and info["best_step"] == info["steps"] == cfg.steps
 
 
@@ -125,6 +126,24 @@ def test_config_errors(tmp_path):
         load_config(AlignConfig, "align", typo, {"out": "x"})
     with pytest.raises(EdgeKVError, match="--tau-cka must be in"):
         load_config(AlignConfig, "align", None, {"out": "x", "tau_cka": 2.0})
+
+
+def test_a_config_extends_another(tmp_path):
+    """`extends:` reads the base first; the file's own top-level keys win and a section merges key by key."""
+    from edgekv.distill.distill_job import DistillConfig
+
+    (tmp_path / "base.yaml").write_text("cloud: a\nedge: b\ndistill:\n  prompts: p.jsonl\n  steps: 7\n  lr: 0.1\n")
+    (tmp_path / "child.yaml").write_text("extends: base.yaml\ncloud: c\ndistill:\n  steps: 9\n")
+    cfg = load_config(DistillConfig, "distill", tmp_path / "child.yaml", {})
+    assert (cfg.cloud, cfg.edge, cfg.prompts, cfg.steps, cfg.lr) == ("c", "b", "p.jsonl", 9, 0.1)
+    (tmp_path / "loop.yaml").write_text("extends: loop2.yaml\n")
+    (tmp_path / "loop2.yaml").write_text("extends: loop.yaml\n")
+    for text, message in [("extends: nowhere.yaml\n", "config file not found: .*nowhere.yaml"),
+                          ("extends: [base.yaml]\n", "'extends' must name one config file"),
+                          ("extends: loop.yaml\n", "'extends' comes back to a file it started from")]:
+        (tmp_path / "bad.yaml").write_text(text)
+        with pytest.raises(EdgeKVError, match=message):
+            load_config(DistillConfig, "distill", tmp_path / "bad.yaml", {})
 
 
 def test_shared_prefix_training_prompts_hold_no_eval_text():
