@@ -160,6 +160,13 @@ def load_config(cls: type[T], section: str, path: str | Path | None, overrides: 
     return config
 
 
+def changed(config: object, *names: str) -> dict:
+    """The settings among `names` that differ from their defaults: a manifest records a setting added later only
+    when it is set, so manifests written before it existed stay as they were."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    return {n: getattr(config, n) for n in names if getattr(config, n) != defaults[n]}
+
+
 def to_dict(config: object) -> dict:
     """The config as a plain dict (for writing next to results)."""
     return dataclasses.asdict(config)

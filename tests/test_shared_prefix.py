@@ -833,3 +833,22 @@ def test_keep_last_exports_the_state_training_ended_on(pair, prompts, tmp_path):
         assert not torch.equal(a.prefix.layer(i)[0], b.prefix.layer(i)[0])
     with pytest.raises(EdgeKVError, match="--keep must be best or last"):
         _cfg(tmp_path / "c", prompts, keep="first").validate()
+
+
+def test_a_finished_constant_run_resumes_into_a_decay_of_its_own_last_stretch(pair, prompts, tmp_path):
+    """--lr-decay-from D: a constant run's D-step checkpoint, resumed with --lr-schedule cosine to 2D, ends where
+    the same recipe run from scratch ends (the steps before D are the constant run's); the manifest records both."""
+    cloud, edge = pair
+    run_distill(_cfg(tmp_path / "a", prompts, steps=4, keep="last"), models=(cloud, edge))
+    shutil.copytree(tmp_path / "a" / "s" / "train", tmp_path / "r" / "s" / "train")
+    decay = dict(steps=8, lr_schedule="cosine", lr_decay_from=4, keep="last")
+    resumed = run_distill(_cfg(tmp_path / "r", prompts, **decay), models=(cloud, edge))["shared"]
+    straight = run_distill(_cfg(tmp_path / "s", prompts, **decay), models=(cloud, edge))["shared"]
+    constant = run_distill(_cfg(tmp_path / "c", prompts, steps=8, keep="last"), models=(cloud, edge))["shared"]
+    info = resumed["shared_prefix"]
+    assert (info["lr_schedule"], info["lr_decay_from"], info["steps"]) == ("cosine", 4, 8)
+    assert "lr_schedule" not in constant["shared_prefix"] and "lr_decay_from" not in constant["shared_prefix"]
+    a, b, c = (SharedPrefix(r["out"], edge) for r in (resumed, straight, constant))
+    for i in range(edge.num_layers):
+        assert torch.equal(a.prefix.layer(i)[0], b.prefix.layer(i)[0])
+        assert not torch.equal(a.prefix.layer(i)[0], c.prefix.layer(i)[0])

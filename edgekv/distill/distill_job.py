@@ -22,6 +22,7 @@ from edgekv import EdgeKVError
 from edgekv.atomic import write_text_atomic
 from edgekv.cluster import run_items
 from edgekv.config import (
+    changed,
     command_config,
     ray_setting,
     seed_setting,
@@ -34,8 +35,6 @@ from edgekv.distill.student import (
     RULES,
     Student,
     initial_student,
-    kept_info,
-    rate_info,
     split_samples,
     train_student,
 )
@@ -270,8 +269,8 @@ def distill_one(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, nam
         "answer_tokens": int(sum(s.answer.numel() for s in samples)),
         "supervised_tokens": int(sum(s.answer.numel() + (s.user.numel() - 1) * cfg.query_loss for s in train)),
         "on_policy_samples": sum(s.policy == "student" for s in samples), "seed": cfg.seed, "seeds": cfg.seeds,
-        "freeze_first": cfg.freeze_first, "query_loss": cfg.query_loss, "batch": cfg.batch, **rate_info(cfg),
-        **kept_info(cfg)})
+        "freeze_first": cfg.freeze_first, "query_loss": cfg.query_loss, "batch": cfg.batch, "lr": cfg.lr,
+        **changed(cfg, "lr_schedule", "lr_decay_from", "keep")})
     report.update({k: meta.get(k) for k in ("generate_s", "targets_s", "prefill_s", "teach_s", "student_s",
                                             "score_s")}, train_s=train_s, log=log_)
     if log_:

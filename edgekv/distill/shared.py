@@ -39,7 +39,8 @@ import torch
 from edgekv import EdgeKVError
 from edgekv.atomic import write_text_atomic
 from edgekv.attention.prefix_kv import PrefixKV, joined, prefill_after, prefix_kv, read_after
-from edgekv.distill.student import Student, kept_info, rate_info, sample_loss, train_prefix
+from edgekv.config import changed
+from edgekv.distill.student import Student, sample_loss, train_prefix
 from edgekv.distill.synthetic import keep_set, kept_set, synthetic_set
 from edgekv.distill.teacher import Sample
 from edgekv.kv.export import token_ids_sha256
@@ -284,12 +285,12 @@ def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel | None, prompts: lis
             "best_step": best["step"], "held_out_kl": best["kl"],
             "initial_held_out_kl": log_[0].get("held_out_kl") if log_ else None,
             "no_prefix_held_out_kl": held_kl(prefixed=False),  # EdgePrompt: the edge reading the prompt alone
-            **rate_info(cfg), "batch": cfg.batch,
+            "lr": cfg.lr, **changed(cfg, "lr_schedule", "lr_decay_from"), "batch": cfg.batch,
             "freeze_first": student.freeze_first, "query_loss": cfg.query_loss,
             "grad_through_prompt": cfg.grad_through_prompt, "init_text": cfg.shared_init, "seed": cfg.seed,
             "reply_sources": cfg.reply_sources, "reply_weight": cfg.reply_weight,
             "reply_step_weight": cfg.reply_step_weight,
-            **kept_info(cfg),
+            **changed(cfg, "keep"),
             "reply_samples": sum(map(len, replies.values()))}
     path = write_shared_prefix(out / "prefix", edge, student.kv(), first, info, cfg.quant)
     report = {"out": str(path), "shared_prefix": info, "teach_s": teach_s, "train_s": train_s,

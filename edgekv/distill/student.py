@@ -163,19 +163,6 @@ def train_student(cfg: Any, edge: LoadedModel, student: Student, train: list[Sam
                         "train the student")
 
 
-def rate_info(cfg: Any) -> dict:
-    """The learning rate as a manifest records it: its schedule only when not constant, so manifests of recipes
-    from before the setting existed stay as they were."""
-    return {"lr": cfg.lr, **({"lr_schedule": cfg.lr_schedule} if cfg.lr_schedule != "constant" else {}),
-            **({"lr_decay_from": cfg.lr_decay_from} if cfg.lr_decay_from else {})}
-
-
-def kept_info(cfg: Any) -> dict:
-    """Which trained state an export holds, as its manifest records it: only when not the best, so manifests from
-    before the setting existed stay as they were."""
-    return {"keep": cfg.keep} if cfg.keep != "best" else {}
-
-
 def train_prefix(cfg: Any, edge: LoadedModel, student: Student, loss: Callable[[int], torch.Tensor],
                  held_kl: Callable[[], float], checkpoint: Path, tasks: Tasks, title: str) -> tuple[list[dict], dict]:
     """train_loop on a trainable prefix (`cfg`: lr, lr_schedule, lr_decay_from, steps, eval_every, patience) with

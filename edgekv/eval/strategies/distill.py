@@ -27,9 +27,9 @@ from typing import ClassVar
 
 import torch
 
-from edgekv.config import load_config
+from edgekv.config import changed, load_config
 from edgekv.distill.distill_job import V1_RECIPE, DistillConfig, run_distill, student_export
-from edgekv.distill.student import initial_student, kept_info, train_student
+from edgekv.distill.student import initial_student, train_student
 from edgekv.distill.teacher import BatchedTeacher, Sample
 from edgekv.eval.strategies.base import Answering, KVStrategy, Strategy, register_strategy
 from edgekv.serve.session import EdgeSession
@@ -141,7 +141,7 @@ class OracleKV(Strategy):
             student_export(cfg, a.edge, a.cloud, student, ids, index, work, None, {
                 "teacher": "cloud", "teacher_fingerprint": a.cloud.fingerprint, "oracle": True,
                 "steps": log_[-1]["step"] if log_ else 0, "best_step": best["step"], "held_out_kl": best["kl"],
-                **kept_info(cfg)})
+                **changed(cfg, "keep")})
         cloud_s = time.perf_counter() - start
         start = time.perf_counter()
         session = EdgeSession(a.edge, str(work / "kv"), cache_dir=a.out / "work" / "kvcache")
