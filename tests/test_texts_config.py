@@ -146,6 +146,16 @@ def test_a_config_extends_another(tmp_path):
             load_config(DistillConfig, "distill", tmp_path / "bad.yaml", {})
 
 
+def test_changed_names_only_the_settings_off_their_defaults():
+    from edgekv.config import changed
+    from edgekv.distill.distill_job import DistillConfig
+
+    cfg = DistillConfig(prompts="p.jsonl", keep="last", reply_sources=[])
+    assert changed(cfg, "keep", "lr_schedule", "reply_sources") == {"keep": "last"}
+    assert changed(DistillConfig(prompts="p.jsonl", reply_sources=["sharegpt"]), "reply_sources") == {
+        "reply_sources": ["sharegpt"]}  # a list's default comes from its factory
+
+
 def test_shared_prefix_training_prompts_hold_no_eval_text():
     """The shared prefix's newest training prompts quote no request the eval could draw (ShareGPT repeats
     conversations under new ids: 7 of the first 120 from record 8,000 did), and the check sees such a repeat."""
