@@ -160,12 +160,16 @@ def load_config(cls: type[T], section: str, path: str | Path | None, overrides: 
     return config
 
 
+def _default(f: dataclasses.Field) -> object:
+    """A field's default, built from its factory if it has one."""
+    return f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+
+
 def changed(config: object, *names: str) -> dict:
     """The settings among `names` that differ from their defaults: a manifest records a setting added later only
     when it is set, so manifests written before it existed stay as they were."""
     fields = {f.name: f for f in dataclasses.fields(config)}
-    default = lambda f: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()  # noqa: E731
-    return {n: getattr(config, n) for n in names if getattr(config, n) != default(fields[n])}
+    return {n: getattr(config, n) for n in names if getattr(config, n) != _default(fields[n])}
 
 
 def to_dict(config: object) -> dict:
