@@ -364,11 +364,11 @@ def test_the_real_edge_on_its_gguf_blocks(tmp_path, kernels):
     decode (rounded to bf16) to the converted bf16 model's weights bit for bit, and against the float32 model
     (the file's numbers at full precision) its logits are no farther than the bf16 model's (mean |Δ| over a
     text) and greedy agreement with it ≥ 90 %. The bf16 model's own agreement is no floor: on a 2-core Xeon with AMX
-    (2026-11-30) the kernels agree on 43 of 46 tokens and bf16 on 45, mean |Δ| still in the kernels' favour. `gguf-q8` (int8
-    activations) on the same blocks: its KL from the float32 model's next-token distributions at most 3× the bf16
-    model's (the stated bound), greedy agreement ≥ 90 %. The ratio depends on the CPU the bf16 reference runs on:
-    0.98× on the 2-core Xeon, 2.1× on the 2-core EPYC (KL 0.0060 against 0.0029 on this text; 0.0012 against
-    0.0006 on a 220-token XSum document), where the first bound, 2×, failed. The quality goal itself (NLL within
+    (2026-11-30) the kernels agree on 43 of 46 tokens and bf16 on 45, mean |Δ| still in the kernels' favour.
+    `gguf-q8` (int8 activations) on the same blocks: its KL from the float32 model's next-token distributions at most
+    3× the bf16 model's (the stated bound), greedy agreement ≥ 90 %. The ratio depends on the CPU the bf16
+    reference runs on: 0.98× on the 2-core Xeon, 2.1× on the 2-core EPYC (KL 0.0060 against 0.0029 on this text;
+    0.0012 against 0.0006 on a 220-token XSum document), where the first bound, 2×, failed. The quality goal itself (NLL within
     +0.005 nats/token of bf16) is bench.peer_llamacpp's, on 32 texts per source. Its fused norms change no bit of its
     logits against transformers' own norms."""
     from edgekv.models.loading import load_model
