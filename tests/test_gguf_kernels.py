@@ -368,9 +368,9 @@ def test_the_real_edge_on_its_gguf_blocks(tmp_path, kernels):
     `gguf-q8` (int8 activations) on the same blocks: its KL from the float32 model's next-token distributions at most
     3× the bf16 model's (the stated bound), greedy agreement ≥ 90 %. The ratio depends on the CPU the bf16
     reference runs on: 0.98× on the 2-core Xeon, 2.1× on the 2-core EPYC (KL 0.0060 against 0.0029 on this text;
-    0.0012 against 0.0006 on a 220-token XSum document), where the first bound, 2×, failed. The quality goal itself (NLL within
-    +0.005 nats/token of bf16) is bench.peer_llamacpp's, on 32 texts per source. Its fused norms change no bit of its
-    logits against transformers' own norms."""
+    0.0012 against 0.0006 on a 220-token XSum document), where the first bound, 2×, failed. The quality goal itself
+    (NLL within +0.005 nats/token of bf16) is bench.peer_llamacpp's, on 32 texts per source. Its fused norms change
+    no bit of its logits against transformers' own norms."""
     from edgekv.models.loading import load_model
 
     edge = load_model("default-edge", "bfloat16", weights="gguf")
