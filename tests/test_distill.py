@@ -17,7 +17,7 @@ from edgekv.attention.prefix_kv import PrefixKV, continuation_nll, prefix_kv
 from edgekv.distill import distill_job
 from edgekv.distill.distill_job import DistillConfig, run_distill
 from edgekv.distill.student import initial_student, select_tokens
-from edgekv.distill.teacher import SEED_PROMPTS
+from edgekv.distill.teacher import RECALL, RECALL_FORMAT, SEED_PROMPTS
 from edgekv.kv.export import KVExport, KVStoreError
 from edgekv.models.loading import load_model
 from edgekv.serve.sampling import SamplingParams
@@ -298,6 +298,29 @@ def test_the_teacher_writes_queries_from_seed_types(pair):
         assert (a.seed, a.user.tolist(), a.answer.tolist()) == (b.seed, b.user.tolist(), b.answer.tolist())
         assert a.top_ids.shape[0] == a.user.numel() + a.answer.numel() - 1 and torch.equal(a.top_ids, b.top_ids)
         torch.testing.assert_close(a.top_logp, b.top_logp, atol=1e-4, rtol=1e-4)
+
+
+def test_recall_quotes_a_window_of_the_prompt_and_the_teacher_goes_on(pair, tmp_path):
+    """`recall` (issue 37): the user message is RECALL_FORMAT around the head of a random window of the prompt, no
+    query is written for it, and the teacher's answer to it is a sample with targets; a distill run takes the type."""
+    cloud, _ = pair
+    system = torch.tensor(cloud.tokenizer(PROMPT)["input_ids"])
+    teacher = BatchedTeacher.of_prompt(cloud, system)
+    plan = plan_seeds(["recall", "question"], 4)
+    samples, left = synthesize(teacher, system, plan, [False, True, False, True], SEED_PROMPTS, INSTRUCTIONS,
+                               "\nQ: {query}\nA:", 16, 8, 1.0, 10, 0.9, 16, 5)
+    recalled = [s for s in samples if s.seed == RECALL]
+    assert len(recalled) == 2 and all(k == "question" for k, _ in left)
+    prefix, suffix = RECALL_FORMAT.split("{head}")
+    for s in recalled:
+        text = cloud.tokenizer.decode(s.user)
+        assert text.startswith(prefix) and text.endswith(suffix)
+        head = text[len(prefix):-len(suffix)]
+        assert head and head in cloud.tokenizer.decode(system, skip_special_tokens=True)
+        assert s.top_ids.shape[0] == s.user.numel() + s.answer.numel() - 1
+    run_distill(_cfg(tmp_path, seeds=["recall", "instruction"], queries=4, steps=1), models=pair)
+    meta = json.loads((tmp_path / "d" / "prompt" / "synthetic.json").read_text())
+    assert "recall" in meta["seed"] and meta["written"] == 0
 
 
 def test_on_policy_samples_are_seeded_scored_and_resumable(pair, tmp_path):

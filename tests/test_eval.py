@@ -432,7 +432,7 @@ def test_distilled_strategies_run_and_truncate_is_edgeprompt_of_the_head(tiny_mo
     distill.write_text("distill:\n  queries: 4\n  max_answer_tokens: 6\n  steps: 2\n  eval_every: 1\n  quant: fp32\n")
     strategies = ["edgeprompt", "ce-lslm-distill", "ce-lslm-distill@c4", "edgeprompt-selfdistill@c4",
                   "edgeprompt-truncate@c4", "ce-lslm-distill:nosum@c4", "ce-lslm-distill@c4s3",
-                  "ce-lslm-distill:v1@c4"]
+                  "ce-lslm-distill:v1@c4", "ce-lslm-distill:recall@c4"]
     for bad in ("ce-lslm-distill@c0", "ce-lslm-distill@0.5/int8", "edgeprompt-truncate:nosum",
                 "edgeprompt-truncate@c4s3", "ce-lslm-distill@s0", "ce-lslm-distill@s3c4"):
         with pytest.raises(EdgeKVError, match="unknown strategy"):
@@ -457,6 +457,9 @@ def test_distilled_strategies_run_and_truncate_is_edgeprompt_of_the_head(tiny_mo
     steps = {p.parent.parent.parent.parent.name: json.loads(p.read_text())["distilled"]["steps"]
              for p in (out / "work" / "exports").glob("*/*/prompt/kv/manifest.json")}
     assert steps["ce-lslm-distill-c4s3"] == 3 and steps["ce-lslm-distill-c4"] == 2  # @s<S> overrides the config
+    seeds = {p.parent.parent.parent.name: json.loads(p.read_text())["seed"]  # the recall variant's own sets
+             for p in (out / "work" / "exports").glob("synthetic-cloud-*/*/prompt/synthetic.json")}
+    assert "recall" in seeds["synthetic-cloud-recall"] and "recall" not in seeds["synthetic-cloud-all"]
     from bench.distill_report import distill_costs
 
     costs = distill_costs([out], tmp_path / "report")  # per export, medians over the run's 2 prompts

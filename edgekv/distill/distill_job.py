@@ -41,6 +41,9 @@ from edgekv.distill.student import (
 from edgekv.distill.synthetic import synthetic_set
 from edgekv.distill.teacher import (
     INSTRUCTION,
+    RECALL,
+    RECALL_FORMAT,
+    RECALL_HEAD,
     SEED_PROMPTS,
     WRITER,
 )
@@ -92,7 +95,8 @@ class DistillConfig(ModelSettings):
     # the synthetic set (teacher.py): `queries` exchanges, their seed types drawn round robin from `seeds`
     queries: int = setting(8, "Synthetic exchanges per prompt.")
     seeds: list[str] = setting(
-        help="Seed types, comma-separated: structuring, summarization, question, use-case, creative, instruction.",
+        help="Seed types, comma-separated: structuring, summarization, question, use-case, creative, instruction, "
+             "recall.",
         factory=lambda: [INSTRUCTION])
     seed_prompts: dict[str, str] = field(default_factory=lambda: dict(SEED_PROMPTS))
     instructions: list[str] = field(default_factory=lambda: list(INSTRUCTIONS))  # the `instruction` seed type
@@ -172,10 +176,11 @@ class DistillConfig(ModelSettings):
         if self.queries < 2 or self.max_answer_tokens < 2 or self.max_query_tokens < 1 or self.steps < 0:
             raise EdgeKVError("distill needs queries ≥ 2, max_answer_tokens ≥ 2, max_query_tokens ≥ 1 and "
                               "steps ≥ 0")
-        unknown = [s for s in self.seeds if s != INSTRUCTION and s not in self.seed_prompts]
+        unknown = [s for s in self.seeds if s not in (INSTRUCTION, RECALL) and s not in self.seed_prompts]
         if not self.seeds or unknown:
             raise EdgeKVError(f"unknown seed type(s) {unknown} (choose from "
-                              f"{', '.join([*self.seed_prompts, INSTRUCTION])})" if unknown else "give ≥ 1 seed type")
+                              f"{', '.join([*self.seed_prompts, INSTRUCTION, RECALL])})" if unknown
+                              else "give ≥ 1 seed type")
         if INSTRUCTION in self.seeds and not self.instructions:
             raise EdgeKVError("the 'instruction' seed type needs ≥ 1 instruction")
         if "{query}" not in self.answer_format:
@@ -237,11 +242,14 @@ def distill_one(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, nam
     ids = torch.tensor(edge.tokenizer(prompt, add_special_tokens=True)["input_ids"], dtype=torch.long)
     if not prompt.strip() or ids.numel() == 0:
         raise EdgeKVError(f"{name}: the system prompt is empty")
-    seeds = [cfg.seed_prompts[k] for k in cfg.seeds if k != INSTRUCTION]
+    seeds = [cfg.seed_prompts[k] for k in cfg.seeds if k not in (INSTRUCTION, RECALL)]
     longest_writer = max((len(edge.tokenizer(WRITER.format(window="", seed=p), add_special_tokens=False)["input_ids"])
                           for p in seeds), default=0) + cfg.window_tokens + 8 + cfg.max_query_tokens  # a re-encoded
     # window may take a few more tokens than it had
+    recall = [RECALL_FORMAT.format(head="")] if RECALL in cfg.seeds else []
     longest_user = max([len(edge.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in cfg.instructions]
+                       + [len(edge.tokenizer(t, add_special_tokens=False)["input_ids"]) + RECALL_HEAD + 8
+                          for t in recall]  # a re-encoded head may take a few more tokens than it had
                        + [cfg.max_query_tokens + 8])
     need = ids.numel() + max(longest_writer, longest_user + cfg.max_answer_tokens)
     for who in {id(edge): edge, id(teacher): teacher}.values():

@@ -38,6 +38,13 @@ SEED_PROMPTS = {
 }
 WRITER = "\n\nA part of the text above:\n\"{window}\"\n\n{seed}"
 INSTRUCTION = "instruction"
+# `recall` (a seventh type, issue 37): the prompt's own words. None of the six asks for them, and a student of P/8
+# tokens kept what a prompt is about but not its text (requests whose answer repeats the prompt lost > 1 nat/token).
+# The query quotes the first RECALL_HEAD tokens of a random window; the teacher, reading the prompt, goes on from
+# there. Not written by the teacher: there is nothing to write.
+RECALL = "recall"
+RECALL_FORMAT = "\nRepeat the text above word for word, starting from \"{head}\".\n"
+RECALL_HEAD = 8
 
 
 @dataclass
@@ -110,11 +117,12 @@ def synthesize(teacher: BatchedTeacher, system_ids: torch.Tensor, plan: list[str
                max_query_tokens: int, query_temperature: float, max_answer_tokens: int, temperature: float,
                top_k: int, seed: int, on_done: Callable[[], None] | None = None
                ) -> tuple[list[Sample], list[tuple[str, torch.Tensor]]]:
-    """The planned exchanges in one engine loop: a fixed instruction (cycled) for `instruction`, else a query the
-    teacher writes reading a random window of the prompt, put in `answer_format`; the teacher answers each query
-    the moment it is written (so writers and answerers share every step's batch), with its targets. Returns the
-    teacher's samples and the (seed type, user ids) of the queries whose answer is the student's (`student[n]`).
-    A written query that comes out empty and an answer shorter than 2 tokens are dropped."""
+    """The planned exchanges in one engine loop: a fixed instruction (cycled) for `instruction`, `RECALL_FORMAT`
+    quoting a random window's head for `recall`, else a query the teacher writes reading a random window of the
+    prompt, put in `answer_format`; the teacher answers each query the moment it is written (so writers and
+    answerers share every step's batch), with its targets. Returns the teacher's samples and the (seed type, user
+    ids) of the queries whose answer is the student's (`student[n]`). A written query that comes out empty and an
+    answer shorter than 2 tokens are dropped."""
     tok = teacher.model.tokenizer
     spans = windows(system_ids.numel(), len(plan), window_tokens, rng=random.Random(seed))
     encode = lambda text: torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)  # noqa
@@ -135,9 +143,14 @@ def synthesize(teacher: BatchedTeacher, system_ids: torch.Tensor, plan: list[str
         if kind == INSTRUCTION:
             first.append(answer_request(n, instructions[n % len(instructions)]))
             continue
-        if kind not in seed_prompts:
-            raise EdgeKVError(f"unknown seed type '{kind}' (choose from {', '.join([*seed_prompts, INSTRUCTION])})")
         start, end = spans[n]
+        if kind == RECALL:
+            head = tok.decode(system_ids[start:start + RECALL_HEAD].tolist(), skip_special_tokens=True).strip()
+            first.append(answer_request(n, RECALL_FORMAT.format(head=head)))
+            continue
+        if kind not in seed_prompts:
+            raise EdgeKVError(f"unknown seed type '{kind}' (choose from "
+                              f"{', '.join([*seed_prompts, INSTRUCTION, RECALL])})")
         window = tok.decode(system_ids[start:end].tolist(), skip_special_tokens=True).strip()
         first.append(GenRequest(encode(WRITER.format(window=window, seed=seed_prompts[kind])),
                                 SamplingParams(max_query_tokens, query_temperature, 1.0, seed * 1_000_003 + 7919 * n),

@@ -37,8 +37,8 @@ class EvalConfig(ModelSettings):
         help="xsum, mmlu, sharegpt (comma-separated).", factory=lambda: ["xsum", "mmlu", "sharegpt"], flag="dataset")
     strategies: list[str] = setting(
         help="cloud-only, edge-only, edge-naive, cloud-nosys, edge-nosys, edgeprompt, edgeprompt-shared, "
-        "edgeprompt-shared-gated, prefix-sft, notes, ce-lslm[:mapping], ce-lslm-fuse, ce-lslm-distill[:nosum|:v1], "
-        "ce-lslm-distill-shared, "
+        "edgeprompt-shared-gated, prefix-sft, notes, ce-lslm[:mapping], ce-lslm-fuse, "
+        "ce-lslm-distill[:nosum|:v1|:recall], ce-lslm-distill-shared[:recall], "
         "edgeprompt-selfdistill, edgeprompt-truncate, oracle-kv (a bound); edgeprompt/ce-lslm take @RATIO/CODEC "
         "(ce-lslm@0.25/int4), the distilled ones @c<N> (a student of P/N tokens) and/or s<S> (S training steps): "
         "@c8s120.",

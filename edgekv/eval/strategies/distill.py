@@ -4,8 +4,9 @@ speed, trained so the edge reading it predicts what a teacher predicts reading t
 - `ce-lslm-distill`: the cloud teaches a student of every prompt token (P' = P); `@c<N>`: of P/N tokens; `@s<S>`
   (alone or after c<N>): S training steps instead of the config's (recipe ablations share one synthetic set);
   `:nosum`: the seed instructions without the summarising one (a query type never in the synthetic set);
-  `:v1`: the recipe shipped before issue 34 (`V1_RECIPE`), through today's teacher.
-- `ce-lslm-distill-shared` (and its @c<N>, @s<S>): the same, on top of the run's shared prefix (issue 37).
+  `:v1`: the recipe shipped before issue 34 (`V1_RECIPE`), through today's teacher; `:recall`: the config's seed
+  types and `recall` (the prompt's own words, `teacher.RECALL`).
+- `ce-lslm-distill-shared` (and its :recall, @c<N>, @s<S>): the same, on top of the run's shared prefix (issue 37).
 - `oracle-kv` (a bound, never shipped): the request's EdgePrompt KV trained toward the cloud's distribution over
   that request's own reference (issue 37): what a per-prompt KV can carry at most.
 - `edgeprompt-selfdistill@c<N>`: the edge teaches itself (Cartridges' self-study): what compression recovers
@@ -30,7 +31,7 @@ import torch
 from edgekv.config import changed, load_config
 from edgekv.distill.distill_job import V1_RECIPE, DistillConfig, run_distill, student_export
 from edgekv.distill.student import initial_student, train_student
-from edgekv.distill.teacher import BatchedTeacher, Sample
+from edgekv.distill.teacher import RECALL, BatchedTeacher, Sample
 from edgekv.eval.strategies.base import Answering, KVStrategy, Strategy, register_strategy
 from edgekv.serve.session import EdgeSession
 from edgekv.texts import reference_ids
@@ -67,6 +68,8 @@ class DistillStrategy(KVStrategy):
         if self.variant == "nosum":  # no summarising seed of any type
             instructions = [t for t in instructions if "summar" not in t.lower()]
             seeds = [s for s in seeds if s != "summarization"]
+        if self.variant == "recall" and RECALL not in seeds:
+            seeds = [*seeds, RECALL]
         return replace(cfg, out=str(work), system_prompt=f"@{prompt_file}", prompts=None, cloud=c.cloud, edge=c.edge,
                        dtype=c.dtype, teacher=self.teacher, compress=self.factor, length=None,
                        steps=self.steps if self.steps is not None else self.train_steps or cfg.steps,
@@ -87,7 +90,7 @@ class CeLslmDistill(DistillStrategy):
     """The cloud teaches the edge's KV of the whole prompt (or of P/N tokens with @c<N>)."""
 
     base = "ce-lslm-distill"
-    variants = ("nosum", "v1")
+    variants = ("nosum", "v1", "recall")
 
 
 @register_strategy
@@ -96,6 +99,7 @@ class CeLslmDistillShared(DistillStrategy):
     KV read after the prefix, and is read after it; the teacher's synthetic sets are ce-lslm-distill's."""
 
     base = "ce-lslm-distill-shared"
+    variants = ("recall",)
     prefix_setting = "shared"
 
 
