@@ -45,6 +45,7 @@ from edgekv.distill.teacher import (
     RECALL_FORMAT,
     RECALL_HEAD,
     SEED_PROMPTS,
+    UNWRITTEN,
     WRITER,
 )
 from edgekv.kv.catalog import Catalog, export_key
@@ -176,11 +177,10 @@ class DistillConfig(ModelSettings):
         if self.queries < 2 or self.max_answer_tokens < 2 or self.max_query_tokens < 1 or self.steps < 0:
             raise EdgeKVError("distill needs queries ≥ 2, max_answer_tokens ≥ 2, max_query_tokens ≥ 1 and "
                               "steps ≥ 0")
-        unknown = [s for s in self.seeds if s not in (INSTRUCTION, RECALL) and s not in self.seed_prompts]
+        unknown = [s for s in self.seeds if s not in UNWRITTEN and s not in self.seed_prompts]
         if not self.seeds or unknown:
             raise EdgeKVError(f"unknown seed type(s) {unknown} (choose from "
-                              f"{', '.join([*self.seed_prompts, INSTRUCTION, RECALL])})" if unknown
-                              else "give ≥ 1 seed type")
+                              f"{', '.join([*self.seed_prompts, *UNWRITTEN])})" if unknown else "give ≥ 1 seed type")
         if INSTRUCTION in self.seeds and not self.instructions:
             raise EdgeKVError("the 'instruction' seed type needs ≥ 1 instruction")
         if "{query}" not in self.answer_format:
@@ -242,15 +242,15 @@ def distill_one(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, nam
     ids = torch.tensor(edge.tokenizer(prompt, add_special_tokens=True)["input_ids"], dtype=torch.long)
     if not prompt.strip() or ids.numel() == 0:
         raise EdgeKVError(f"{name}: the system prompt is empty")
-    seeds = [cfg.seed_prompts[k] for k in cfg.seeds if k not in (INSTRUCTION, RECALL)]
+    seeds = [cfg.seed_prompts[k] for k in cfg.seeds if k not in UNWRITTEN]
     longest_writer = max((len(edge.tokenizer(WRITER.format(window="", seed=p), add_special_tokens=False)["input_ids"])
                           for p in seeds), default=0) + cfg.window_tokens + 8 + cfg.max_query_tokens  # a re-encoded
     # window may take a few more tokens than it had
-    recall = [RECALL_FORMAT.format(head="")] if RECALL in cfg.seeds else []
     longest_user = max([len(edge.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in cfg.instructions]
-                       + [len(edge.tokenizer(t, add_special_tokens=False)["input_ids"]) + RECALL_HEAD + 8
-                          for t in recall]  # a re-encoded head may take a few more tokens than it had
                        + [cfg.max_query_tokens + 8])
+    if RECALL in cfg.seeds:  # a re-encoded head may take a few more tokens than it had
+        longest_user = max(longest_user, RECALL_HEAD + 8 + len(
+            edge.tokenizer(RECALL_FORMAT.format(head=""), add_special_tokens=False)["input_ids"]))
     need = ids.numel() + max(longest_writer, longest_user + cfg.max_answer_tokens)
     for who in {id(edge): edge, id(teacher): teacher}.values():
         if need > context_limit(who.model.config):

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from edgekv import EdgeKVError
 from edgekv.atomic import write_tensors_atomic, write_text_atomic
 from edgekv.distill.student import Student
-from edgekv.distill.teacher import INSTRUCTION, RECALL, BatchedTeacher, Sample, plan_seeds, student_answers, synthesize
+from edgekv.distill.teacher import UNWRITTEN, BatchedTeacher, Sample, plan_seeds, student_answers, synthesize
 from edgekv.kv.export import token_ids_sha256
 from edgekv.models.loading import LoadedModel
 from edgekv.progress import Tasks
@@ -57,7 +57,7 @@ def synthetic_set(cfg: Any, teacher: LoadedModel, edge: LoadedModel, student: St
     model = BatchedTeacher.of_prompt(teacher, ids, max_batch=cfg.teacher_batch)
     lap("prefill_s")
     plan = plan_seeds(cfg.seeds, cfg.queries)
-    written = sum(p not in (INSTRUCTION, RECALL) for p in plan)
+    written = sum(p not in UNWRITTEN for p in plan)
     # the teacher's share does not depend on the student: students of other lengths (ce-lslm-distill and its @c8)
     # read it back and sample only their own answers
     part_key = {k: v for k, v in key.items() if k not in STUDENT_KEYS}

@@ -45,6 +45,7 @@ INSTRUCTION = "instruction"
 RECALL = "recall"
 RECALL_FORMAT = "\nRepeat the text above word for word, starting from \"{head}\".\n"
 RECALL_HEAD = 8
+UNWRITTEN = (INSTRUCTION, RECALL)  # the seed types whose user message the teacher does not write
 
 
 @dataclass
@@ -149,8 +150,7 @@ def synthesize(teacher: BatchedTeacher, system_ids: torch.Tensor, plan: list[str
             first.append(answer_request(n, RECALL_FORMAT.format(head=head)))
             continue
         if kind not in seed_prompts:
-            raise EdgeKVError(f"unknown seed type '{kind}' (choose from "
-                              f"{', '.join([*seed_prompts, INSTRUCTION, RECALL])})")
+            raise EdgeKVError(f"unknown seed type '{kind}' (choose from {', '.join([*seed_prompts, *UNWRITTEN])})")
         window = tok.decode(system_ids[start:end].tolist(), skip_special_tokens=True).strip()
         first.append(GenRequest(encode(WRITER.format(window=window, seed=seed_prompts[kind])),
                                 SamplingParams(max_query_tokens, query_temperature, 1.0, seed * 1_000_003 + 7919 * n),
