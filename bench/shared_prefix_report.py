@@ -8,6 +8,7 @@ system prompt).
         [--variant NAME=RUN_DIR ...]  # edgeprompt-shared there under another prefix (e.g. k64): edgeprompt-shared@NAME
         [--against NAME]              # the variants' contrasts against variant NAME (a control), not the shipped prefix
         [--exclude DATASET:ID ...]    # a request left out of every cell (one some condition's training text holds)
+        [--request DATASET:ID ...]    # that request's Δ vs EdgePrompt under every condition (a rule that names it)
 """
 
 from __future__ import annotations
@@ -26,13 +27,16 @@ HELD_OUT = "edgeprompt-shared-held-out-source"  # the prefix trained without thi
 CONDITIONS = {"edgeprompt-shared": "edgeprompt-shared", "edgeprompt-shared-gated": "edgeprompt-shared-gated",
               HELD_OUT: HELD_OUT, "distill": "ce-lslm-distill",
               "distill-shared": "ce-lslm-distill-shared", "distill-c8-shared": "ce-lslm-distill-shared@c8",
+              "distill-c8-shared-recall": "ce-lslm-distill-shared:recall@c8",
               "fuse": "ce-lslm-fuse", "notes": "notes", "prefix-sft": "prefix-sft", "oracle-kv": "oracle-kv",
               "cloud": "cloud-only", "edge": "edge-only", "cloud-nosys": "cloud-nosys", "edge-nosys": "edge-nosys"}
 CONTRASTS = {"distill-shared - distill": ("distill-shared", "distill"),
              "distill-shared - edgeprompt-shared": ("distill-shared", "edgeprompt-shared"),
-             "edgeprompt-shared-gated - edgeprompt-shared": ("edgeprompt-shared-gated", "edgeprompt-shared")}
+             "edgeprompt-shared-gated - edgeprompt-shared": ("edgeprompt-shared-gated", "edgeprompt-shared"),
+             "distill-c8-shared-recall - distill-c8-shared": ("distill-c8-shared-recall", "distill-c8-shared")}
 SHIPPED = ("edgeprompt-shared", "edgeprompt-shared-gated", "distill", "distill-shared", "distill-c8-shared", "fuse")
-BESIDE = (HELD_OUT, "notes", "prefix-sft", "oracle-kv")  # gap shares reported, never shipped (oracle-kv: a bound)
+# gap shares reported, not shipped (oracle-kv: a bound; the recall student: a candidate until its rule is met)
+BESIDE = (HELD_OUT, "notes", "prefix-sft", "oracle-kv", "distill-c8-shared-recall")
 SHARED = Spec(CONDITIONS, CONTRASTS, {f"gap_closed_by_{c}": c for c in SHIPPED + BESIDE}, REFERENCE)
 
 
@@ -69,6 +73,18 @@ def share_of_oracle(rows: list[dict], conditions: dict[str, str]) -> dict:
             gap = common_gap(nll, REFERENCE, conditions[cond], "oracle-kv", cell_seed(0, source, "oracle", cond))
             if gap is not None:
                 out.setdefault(source, {})[cond] = gap
+    return out
+
+
+def per_request(rows: list[dict], conditions: dict[str, str], picks: set[tuple[str, str]]) -> dict:
+    """Each picked request's Δ reference NLL vs EdgePrompt under every condition that answered it (nats/token);
+    None for a request EdgePrompt did not answer in these runs (nothing to pair with)."""
+    nll = {(r["dataset"], r["id"], r["strategy"]): r.get("ref_nll") for r in rows}
+    out: dict[str, dict[str, float] | None] = {}
+    for d, i in sorted(picks):
+        base = nll.get((d, i, REFERENCE))
+        out[f"{d}:{i}"] = None if base is None else {
+            c: v - base for c, s in conditions.items() if (v := nll.get((d, i, s))) is not None}
     return out
 
 
@@ -124,10 +140,13 @@ def main() -> None:
                     help="the gated runs read variant NAME's prefix: split the gate's requests by its rows")
     ap.add_argument("--exclude", action="append", default=[], metavar="DATASET:ID",
                     help="leave this request out of every cell (its source's excluded_requests in summary.json)")
+    ap.add_argument("--request", action="append", default=[], metavar="DATASET:ID",
+                    help="report this request's Δ vs EdgePrompt under every condition (summary.json's requests)")
     args = ap.parse_args()
-    exclude = {(d, i) for d, _, i in (e.partition(":") for e in args.exclude)}
-    if any(not d or not i for d, i in exclude):
-        ap.error("--exclude takes DATASET:ID")
+    exclude, picks = ({(d, i) for d, _, i in map(lambda e: e.partition(":"), given)}
+                      for given in (args.exclude, args.request))
+    if any(not d or not i for d, i in exclude | picks):
+        ap.error("--exclude and --request take DATASET:ID")
     runs, relabel = list(args.runs), {}
     if args.held_out_source is not None:
         runs.append(args.held_out_source)
@@ -152,6 +171,8 @@ def main() -> None:
         raise SystemExit(f"error: {exc}") from None
     rows = [json.loads(line) for line in (args.out / "rows.jsonl").read_text(encoding="utf-8").splitlines() if line]
     extra = {"decomposition": decomposition(rows), "share_of_oracle": share_of_oracle(rows, spec.conditions)}
+    if picks:
+        extra["requests"] = per_request(rows, spec.conditions, picks)
     if gates := gate_split(rows, ungated):
         extra["gate"] = gates
     if args.prefix is not None:

@@ -455,7 +455,7 @@ def test_distill_on_top_of_the_prefix(pair, tiny_models, prompts, tmp_path):
 
 def test_report_pairs_conditions_and_decomposes_the_lead():
     from bench.distill_report import distill_summary
-    from bench.shared_prefix_report import SHARED, decomposition
+    from bench.shared_prefix_report import SHARED, decomposition, per_request
 
     nll = {"edgeprompt": 3.0, "edge-only": 3.0, "edgeprompt-shared": 2.8, "cloud-only": 2.0, "cloud-nosys": 2.4,
            "edge-nosys": 3.5}
@@ -466,6 +466,18 @@ def test_report_pairs_conditions_and_decomposes_the_lead():
     assert cells["gap_closed_by_edgeprompt-shared"]["fraction"] == pytest.approx(0.2)
     d = decomposition(rows)["xsum"]
     assert d["cloud_lead_without_prompt"] == pytest.approx(1.1) and d["prompt_saves_edge"] == pytest.approx(0.5)
+    # the recall student beside plain @c8: its own cell, its contrast with @c8, and a named request's Δ per condition
+    rows += [{**r, "strategy": s, "ref_nll": r["ref_nll"] + dv} for r in rows if r["strategy"] == "edgeprompt"
+             for s, dv in (("ce-lslm-distill-shared@c8", 0.3 * (r["id"] == "5")),
+                           ("ce-lslm-distill-shared:recall@c8", -0.05))]
+    cells = distill_summary(rows, 0, SHARED)["xsum"]
+    assert cells["distill-c8-shared-recall"]["delta_mean"] == pytest.approx(-0.05)
+    assert cells["distill-c8-shared-recall - distill-c8-shared"]["delta_mean"] == pytest.approx(-0.05 - 0.05)
+    picked = per_request(rows, SHARED.conditions, {("xsum", "5"), ("xsum", "9")})
+    assert picked["xsum:9"] is None  # EdgePrompt never answered it: nothing to pair with
+    assert picked["xsum:5"]["distill-c8-shared"] == pytest.approx(0.3)
+    assert picked["xsum:5"]["distill-c8-shared-recall"] == pytest.approx(-0.05)
+    assert picked["xsum:5"]["edgeprompt-shared"] == pytest.approx(-0.2) and "oracle-kv" not in picked["xsum:5"]
 
 
 def test_report_splits_the_gates_requests_by_what_it_chose():
