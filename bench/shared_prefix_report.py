@@ -28,6 +28,7 @@ CONDITIONS = {"edgeprompt-shared": "edgeprompt-shared", "edgeprompt-shared-gated
               HELD_OUT: HELD_OUT, "distill": "ce-lslm-distill",
               "distill-shared": "ce-lslm-distill-shared", "distill-c8-shared": "ce-lslm-distill-shared@c8",
               "distill-c8-shared-recall": "ce-lslm-distill-shared:recall@c8",
+              "distill-c4-shared": "ce-lslm-distill-shared@c4", "distill-c2-shared": "ce-lslm-distill-shared@c2",
               "fuse": "ce-lslm-fuse", "notes": "notes", "prefix-sft": "prefix-sft", "oracle-kv": "oracle-kv",
               "cloud": "cloud-only", "edge": "edge-only", "cloud-nosys": "cloud-nosys", "edge-nosys": "edge-nosys"}
 CONTRASTS = {"distill-shared - distill": ("distill-shared", "distill"),
@@ -35,8 +36,10 @@ CONTRASTS = {"distill-shared - distill": ("distill-shared", "distill"),
              "edgeprompt-shared-gated - edgeprompt-shared": ("edgeprompt-shared-gated", "edgeprompt-shared"),
              "distill-c8-shared-recall - distill-c8-shared": ("distill-c8-shared-recall", "distill-c8-shared")}
 SHIPPED = ("edgeprompt-shared", "edgeprompt-shared-gated", "distill", "distill-shared", "distill-c8-shared", "fuse")
-# gap shares reported, not shipped (oracle-kv: a bound; the recall student: a candidate until its rule is met)
-BESIDE = (HELD_OUT, "notes", "prefix-sft", "oracle-kv", "distill-c8-shared-recall")
+# gap shares reported, not shipped (oracle-kv: a bound; the recall student: a candidate until its rule is met; the
+# P/4 and P/2 students: how much a longer student recovers)
+BESIDE = (HELD_OUT, "notes", "prefix-sft", "oracle-kv", "distill-c8-shared-recall", "distill-c4-shared",
+          "distill-c2-shared")
 SHARED = Spec(CONDITIONS, CONTRASTS, {f"gap_closed_by_{c}": c for c in SHIPPED + BESIDE}, REFERENCE)
 
 

@@ -864,3 +864,21 @@ def test_a_finished_constant_run_resumes_into_a_decay_of_its_own_last_stretch(pa
     for i in range(edge.num_layers):
         assert torch.equal(a.prefix.layer(i)[0], b.prefix.layer(i)[0])
         assert not torch.equal(a.prefix.layer(i)[0], c.prefix.layer(i)[0])
+
+
+def test_copy_spans_finds_where_a_reference_repeats_its_prompt(tmp_path, monkeypatch):
+    """bench.copy_spans: the share of tokens inside repeated n-grams and where they first sit; a missing rows file is
+    one line on the command line, nothing written."""
+    from bench.copy_spans import covered, main, ngrams
+
+    prompt = list(range(100, 140))
+    reference = [1, 2] + prompt[20:30] + [3, 4, 5, 6]  # a 10-token span from position 20, 16 tokens in all
+    grams = ngrams(prompt, 8)
+    assert grams[tuple(prompt[20:28])] == 20
+    assert covered(reference, set(grams), 8) == pytest.approx(10 / 16)
+    assert covered(reference[:9], set(grams), 8) == 0.0  # 7 tokens of the span make no 8-gram
+    assert covered([], set(grams), 8) == 0.0
+    monkeypatch.setattr("sys.argv", ["x", str(tmp_path / "missing.jsonl"), str(tmp_path), "--out", str(tmp_path / "o")])
+    with pytest.raises(SystemExit, match="^error: .*missing.jsonl"):
+        main()
+    assert not (tmp_path / "o").exists()
