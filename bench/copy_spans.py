@@ -26,8 +26,6 @@ from edgekv.config import load_config
 from edgekv.eval.eval_config import EvalConfig, eval_requests
 from edgekv.models.loading import load_tokenizer
 
-REFERENCE_TOKENS = 64  # the eval scores the reference's first 64 tokens (configs/eval: reference_tokens)
-
 
 def covered(ids: list[int], grams: set[tuple[int, ...]], n: int) -> float:
     """Share of `ids` inside some n-gram that `grams` holds."""
@@ -77,7 +75,7 @@ def main() -> None:
         if (args.condition, req.id) not in nll or ("edgeprompt", req.id) not in nll:
             continue
         system = tok(req.system, add_special_tokens=True)["input_ids"]
-        ref = tok(req.reference, add_special_tokens=False)["input_ids"][:REFERENCE_TOKENS]
+        ref = tok(req.reference, add_special_tokens=False)["input_ids"][:cfg.reference_tokens]  # what the eval scores
         user = tok(req.user, add_special_tokens=False)["input_ids"]
         by8 = ngrams(system, 8)
         where = sorted({by8[g] for i in range(len(ref) - 7) if (g := tuple(ref[i:i + 8])) in by8})

@@ -128,6 +128,11 @@ def with_variants(spec: Spec, names: list[str], against: str | None = None) -> S
                    gaps={**spec.gaps, **{f"gap_closed_by_{c}": c for c in added}})
 
 
+def request_keys(given: list[str]) -> set[tuple[str, str]]:
+    """DATASET:ID flags as (dataset, id) pairs (an empty side is left for the caller to refuse)."""
+    return {(d, i) for d, _, i in (g.partition(":") for g in given)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
@@ -146,8 +151,7 @@ def main() -> None:
     ap.add_argument("--request", action="append", default=[], metavar="DATASET:ID",
                     help="report this request's Δ vs EdgePrompt under every condition (summary.json's requests)")
     args = ap.parse_args()
-    exclude, picks = ({(d, i) for d, _, i in map(lambda e: e.partition(":"), given)}
-                      for given in (args.exclude, args.request))
+    exclude, picks = request_keys(args.exclude), request_keys(args.request)
     if any(not d or not i for d, i in exclude | picks):
         ap.error("--exclude and --request take DATASET:ID")
     runs, relabel = list(args.runs), {}
