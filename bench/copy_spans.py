@@ -14,7 +14,6 @@ folder (one folder per system prompt, named by the prompt's hash, as `edgekv eva
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 from pathlib import Path
 
@@ -23,17 +22,9 @@ from safetensors.numpy import load_file
 from edgekv import EdgeKVError
 from edgekv.atomic import write_text_atomic
 from edgekv.config import load_config
+from edgekv.eval.artefacts import prompt_key
 from edgekv.eval.eval_config import EvalConfig, eval_requests
 from edgekv.models.loading import load_tokenizer
-
-
-def covered(ids: list[int], grams: set[tuple[int, ...]], n: int) -> float:
-    """Share of `ids` inside some n-gram that `grams` holds."""
-    hit = [False] * len(ids)
-    for i in range(len(ids) - n + 1):
-        if tuple(ids[i:i + n]) in grams:
-            hit[i:i + n] = [True] * n
-    return sum(hit) / max(1, len(ids))
 
 
 def ngrams(ids: list[int], n: int) -> dict[tuple[int, ...], int]:
@@ -42,6 +33,17 @@ def ngrams(ids: list[int], n: int) -> dict[tuple[int, ...], int]:
     for i in range(len(ids) - n + 1):
         out.setdefault(tuple(ids[i:i + n]), i)
     return out
+
+
+def matches(ids: list[int], index: dict[tuple[int, ...], int], n: int) -> list[tuple[int, int]]:
+    """(position in `ids`, first position in the indexed text) of each n-gram of `ids` that `index` holds."""
+    return [(i, index[g]) for i in range(len(ids) - n + 1) if (g := tuple(ids[i:i + n])) in index]
+
+
+def covered(ids: list[int], index: dict[tuple[int, ...], int], n: int) -> float:
+    """Share of `ids` inside some n-gram that `index` holds."""
+    hit = {j for i, _ in matches(ids, index, n) for j in range(i, i + n)}
+    return len(hit) / max(1, len(ids))
 
 
 def teacher_answers(folder: Path) -> list[list[int]]:
@@ -78,17 +80,15 @@ def main() -> None:
         ref = tok(req.reference, add_special_tokens=False)["input_ids"][:cfg.reference_tokens]  # what the eval scores
         user = tok(req.user, add_special_tokens=False)["input_ids"]
         by8 = ngrams(system, 8)
-        where = sorted({by8[g] for i in range(len(ref) - 7) if (g := tuple(ref[i:i + 8])) in by8})
-        folder = args.synthetic / hashlib.sha256(req.system.encode()).hexdigest()[:16] / "prompt"
+        folder = args.synthetic / prompt_key(req.system) / "prompt"
         answers = teacher_answers(folder) if folder.exists() else []
-        grams8 = set(by8)
         table.append({
             "id": req.id, "delta": nll[(args.condition, req.id)] - nll[("edgeprompt", req.id)],
-            "system_tokens": len(system), "reference_share_8gram": covered(ref, grams8, 8),
-            "reference_8gram_positions": where,
-            "teacher_share_8gram": (sum(covered(a, grams8, 8) * len(a) for a in answers)
+            "system_tokens": len(system), "reference_share_8gram": covered(ref, by8, 8),
+            "reference_8gram_positions": sorted({at for _, at in matches(ref, by8, 8)}),
+            "teacher_share_8gram": (sum(covered(a, by8, 8) * len(a) for a in answers)
                                     / max(1, sum(len(a) for a in answers))) if answers else None,
-            "user_share_3gram": covered(user, set(ngrams(system, 3)), 3)})
+            "user_share_3gram": covered(user, ngrams(system, 3), 3)})
     table.sort(key=lambda t: t["delta"])
     args.out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(args.out / "copy_spans.json", json.dumps(

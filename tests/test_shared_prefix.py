@@ -875,9 +875,9 @@ def test_copy_spans_finds_where_a_reference_repeats_its_prompt(tmp_path, monkeyp
     reference = [1, 2] + prompt[20:30] + [3, 4, 5, 6]  # a 10-token span from position 20, 16 tokens in all
     grams = ngrams(prompt, 8)
     assert grams[tuple(prompt[20:28])] == 20
-    assert covered(reference, set(grams), 8) == pytest.approx(10 / 16)
-    assert covered(reference[:9], set(grams), 8) == 0.0  # 7 tokens of the span make no 8-gram
-    assert covered([], set(grams), 8) == 0.0
+    assert covered(reference, grams, 8) == pytest.approx(10 / 16)
+    assert covered(reference[:9], grams, 8) == 0.0  # 7 tokens of the span make no 8-gram
+    assert covered([], grams, 8) == 0.0
     monkeypatch.setattr("sys.argv", ["x", str(tmp_path / "missing.jsonl"), str(tmp_path), "--out", str(tmp_path / "o")])
     with pytest.raises(SystemExit, match="^error: .*missing.jsonl"):
         main()

@@ -39,8 +39,9 @@ class ShipsKV(Protocol):
     def cloud_model(self, a: Artefacts) -> LoadedModel: ...
 
 
-def _sha(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+def prompt_key(system: str) -> str:
+    """The folder a system prompt's exports and synthetic sets are kept under (`work/exports/<strategy>/<key>`)."""
+    return hashlib.sha256(system.encode()).hexdigest()[:16]
 
 
 class Artefacts:
@@ -112,7 +113,7 @@ class Artefacts:
     def export(self, st: ShipsKV, system: str) -> tuple[Path, dict]:
         """The KV export of a system prompt for a strategy that ships KV (made once per distinct prompt; the cloud
         side sees only the system prompt)."""
-        key = (st.name, _sha(system))
+        key = (st.name, prompt_key(system))
         if key not in self.exports:
             st.prepare(self)
             work = self.out / "work" / "exports" / st.name.replace(":", "-").replace("@", "-").replace("/", "-") \
