@@ -86,12 +86,33 @@ def test_integer_roundtrip_within_half_a_step(scheme, axis):
     assert q.data.numel() * 8 == pytest.approx(x.numel() * bits, rel=0.1)  # real packing (odd dims padded)
 
 
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_int2_packs_four_codes_a_byte_and_its_clip_beats_min_max(axis):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 33, 15, generator=g) * torch.rand(15, generator=g) * 10 + 3  # rows off zero: asymmetric
+    q = quantize(x, "int2", axis)
+    back = dequantize(q)
+    assert back.shape == x.shape and q.data.dtype == torch.uint8
+    assert q.data.numel() * 4 == pytest.approx(x.numel(), rel=0.1)  # 2 bits a value (rows padded to 4)
+    step, low = q.scale[..., 0].float(), q.scale[..., 1].float()
+    levels = torch.round((back - low) / step)
+    assert bool(((levels >= 0) & (levels <= 3)).all())
+    dim = -2 if axis == "channel" else -1
+    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)  # the unclipped grid: four levels over [lo, hi]
+    s = (hi - lo) / 3
+    min_max = lo + torch.round((x - lo) / s).clamp(0, 3) * s
+    err, err_mm = ((back - x) ** 2).sum(dim), ((min_max - x) ** 2).sum(dim)
+    assert bool((err <= err_mm * 1.01 + 1e-4).all()) and float(err.sum()) < float(err_mm.sum())
+    assert float((back - x).norm() / x.norm()) < 0.35  # a real code, not the row means
+
+
 def test_passthrough_and_zero_rows():
     x = torch.randn(2, 5, 8).to(torch.bfloat16)
     assert torch.equal(dequantize(quantize(x, "bf16", "token"), torch.bfloat16), x)
     assert torch.equal(dequantize(quantize(x.float(), "fp16", "token")), x.float().half().float())
     zeros = torch.zeros(1, 4, 6)
     assert torch.equal(dequantize(quantize(zeros, "int8", "token")), zeros)
+    assert torch.equal(dequantize(quantize(zeros, "int2", "channel")), zeros)
 
 
 def test_ridge_recovers_a_known_linear_map():

@@ -87,7 +87,7 @@ def plot_pareto(rows: list[dict], path: Path) -> None:
     """Δ reference NLL vs MB sent, one panel per dataset, a marker per variant, the Pareto front per family."""
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     fig, axes = plt.subplots(1, len(datasets), figsize=(5.5 * len(datasets), 4.2), squeeze=False)
-    markers = {"fp16": "o", "bf16": "o", "int8": "s", "int4": "^", "fp32": "D"}
+    markers = {"fp16": "o", "bf16": "o", "int8": "s", "int4": "^", "int2": "v", "fp32": "D"}
     for ax, d in zip(axes[0], datasets):
         for family in dict.fromkeys(r["family"] for r in rows if r["dataset"] == d):
             part = [r for r in rows if r["dataset"] == d and r["family"] == family]

@@ -1,6 +1,9 @@
-"""KV quantization codecs (DESIGN.md §3): symmetric int8 / packed int4, per channel (keys) or per token (values).
+"""KV quantization codecs (DESIGN.md §3): symmetric int8 / packed int4, or asymmetric packed int2, per channel
+(keys) or per token (values).
 
 A codec turns a float tensor into named plain tensors (safetensors-ready) plus JSON-ready parameters, and back.
+int2 has four levels, too few for a symmetric grid around 0 to spend well: each row gets its own low end and step
+(KIVI's asymmetric 2-bit, Liu et al. 2024), and its range is clipped where that lowers the row's squared error.
 """
 
 from __future__ import annotations
@@ -11,14 +14,15 @@ import torch
 
 from edgekv import EdgeKVError
 
-SCHEMES = ("fp32", "fp16", "bf16", "int8", "int4")
+SCHEMES = ("fp32", "fp16", "bf16", "int8", "int4", "int2")
 QMAX = {"int8": 127, "int4": 7}
 PASSTHROUGH = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # fp32: lossless
 
 
 @dataclass
 class Quantized:
-    """Encoded tensor: `data` (and `scale` for integer schemes) plus what decoding needs."""
+    """Encoded tensor: `data` (and `scale` for integer schemes: int2's holds (step, low) in its last dim) plus
+    what decoding needs."""
 
     scheme: str
     data: torch.Tensor
@@ -61,6 +65,45 @@ def _unpack_int4(packed: torch.Tensor, last: int) -> torch.Tensor:
     return both - 8
 
 
+CLIPS = torch.linspace(1.0, 0.3, 15)  # int2: the share of a row's half-range kept, searched per row
+
+
+def _pack_int2(q: torch.Tensor) -> torch.Tensor:
+    """Values in [0, 3] → uint8, four per byte along the last dim (lowest bits first; padded to a multiple of 4)."""
+    u = q.to(torch.uint8)
+    if u.shape[-1] % 4:
+        u = torch.nn.functional.pad(u, (0, 4 - u.shape[-1] % 4))
+    return u[..., 0::4] | (u[..., 1::4] << 2) | (u[..., 2::4] << 4) | (u[..., 3::4] << 6)
+
+
+def _unpack_int2(packed: torch.Tensor, last: int) -> torch.Tensor:
+    parts = [(packed >> s) & 0x03 for s in (0, 2, 4, 6)]
+    return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], -1)[..., :last].to(torch.int16)
+
+
+def _int2(x: torch.Tensor, axis: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes in [0, 3], fp16 (step, low) per row): per row, the clip of its [min, max] (around the middle) whose
+    four levels low + q·step reconstruct the row with the least squared error."""
+    dim = -2 if axis == "channel" else -1
+    lo, hi = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
+    mid, half = (lo + hi) / 2, ((hi - lo) / 2).clamp_min(torch.finfo(torch.float16).tiny)
+    best_err, best = None, None
+    for c in CLIPS.tolist():
+        step = (2 * half * c / 3).to(torch.float16).clamp_min(torch.finfo(torch.float16).tiny)
+        low = (mid - half * c).to(torch.float16)
+        s32, l32 = step.to(torch.float32), low.to(torch.float32)
+        q = torch.round((x - l32) / s32).clamp_(0, 3)
+        err = ((l32 + q * s32 - x) ** 2).sum(dim=dim, keepdim=True)
+        if best is None:
+            best_err, best = err, (q, step, low)
+            continue
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best = tuple(torch.where(better, new, old) for new, old in zip((q, step, low), best))
+    q, step, low = best
+    return q, torch.stack([step, low], dim=-1)
+
+
 def quantize(x: torch.Tensor, scheme: str, axis: str) -> Quantized:
     """Encode `x` (…, tokens, channels) with `scheme`; `axis` is "channel" (keys) or "token" (values)."""
     if scheme not in SCHEMES:
@@ -71,6 +114,9 @@ def quantize(x: torch.Tensor, scheme: str, axis: str) -> Quantized:
     if scheme in PASSTHROUGH:
         return Quantized(scheme, x.to(PASSTHROUGH[scheme]).contiguous(), None, shape, axis)
     xf = x.to(torch.float32)
+    if scheme == "int2":
+        q, scale = _int2(xf, axis)
+        return Quantized(scheme, _pack_int2(q).contiguous(), scale.contiguous(), shape, axis)
     scale = _scale(xf, axis, QMAX[scheme])
     q = torch.round(xf / scale.to(torch.float32)).clamp_(-QMAX[scheme], QMAX[scheme])
     data = q.to(torch.int8) if scheme == "int8" else _pack_int4(q.to(torch.int16))
@@ -81,7 +127,13 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor
     """Decode back to floats of `dtype`."""
     if q.scheme in PASSTHROUGH:
         return q.data.to(dtype)
-    values = q.data.to(torch.float32) if q.scheme == "int8" else _unpack_int4(q.data, q.shape[-1]).to(torch.float32)
+    if q.scheme == "int8":
+        values = q.data.to(torch.float32)
+    else:
+        values = (_unpack_int4 if q.scheme == "int4" else _unpack_int2)(q.data, q.shape[-1]).to(torch.float32)
     if tuple(values.shape) != q.shape:
         raise EdgeKVError(f"quantized data has shape {tuple(values.shape)}, expected {q.shape}")
+    if q.scheme == "int2":
+        step, low = q.scale[..., 0].to(torch.float32), q.scale[..., 1].to(torch.float32)
+        return (low + values * step).to(dtype)
     return (values * q.scale.to(torch.float32)).to(dtype)
