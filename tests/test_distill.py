@@ -1,7 +1,7 @@
 """`edgekv distill` on tiny models: the student starts as EdgePrompt exactly, learns, resumes bit-exactly, ships as
 an ordinary export refused for another edge, and the self-teacher path never loads the cloud; the batched teacher
-gives what one request at a time gives (float32), its on-policy samples are seeded and resumable, and a frozen
-first token keeps its KV bit for bit."""
+gives what one request at a time gives (float32), its on-policy samples are seeded and resumable, a frozen
+first token keeps its KV bit for bit, and a student trained through its codec ships the KV it was trained on."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -18,7 +19,10 @@ from edgekv.distill import distill_job
 from edgekv.distill.distill_job import DistillConfig, run_distill
 from edgekv.distill.student import initial_student, select_tokens
 from edgekv.distill.teacher import RECALL, RECALL_FORMAT, SEED_PROMPTS
+from edgekv.kv.cloud_kv import same_model_layers
+from edgekv.kv.encode import coded
 from edgekv.kv.export import KVExport, KVStoreError
+from edgekv.kv.unpack import decode_layer, edge_kv
 from edgekv.models.loading import load_model
 from edgekv.serve.sampling import SamplingParams
 from edgekv.serve.session import EdgeSession
@@ -400,3 +404,31 @@ def test_sweep_shard_bad_input_is_one_line(bad):
                           capture_output=True, text=True)
     assert done.returncode != 0
     assert done.stderr.strip().startswith("error: --shard") and "\n" not in done.stderr.strip()
+
+
+def test_a_student_trained_through_its_codec_ships_what_it_was_trained_on(pair, tmp_path):
+    """train_codec: the edge reads the student through ThinK + int2 (straight-through: the float KV beneath gets the
+    gradient as is), and the export decodes to exactly the coded KV of the kept float state."""
+    cloud, edge = pair
+    ids = torch.tensor(edge.tokenizer(PROMPT)["input_ids"])
+    queries = same_model_layers(edge, ids, 0, 32, 0)
+    codec = lambda i, k, v: coded(k, v, queries[i].q_obs, 0.3, "int2")  # noqa: E731
+    student, _ = initial_student(edge, ids, ids.numel(), "all", codec=codec)
+    for t in student.parameters():
+        t.requires_grad_(True)
+    k0, v0 = student.prefix().layer(0)
+    want_k, want_v = codec(0, *(t[0] for t in student.layer(0)))
+    assert torch.equal(k0[0], want_k) and torch.equal(v0[0], want_v) and not torch.equal(k0, student.layer(0)[0])
+    (k0.sum() + 2 * v0.sum()).backward()
+    assert torch.equal(student.tensors["0.k"].grad, torch.ones_like(k0))
+    assert bool((student.tensors["0.v"].grad == 2).all())
+    cfg = _cfg(tmp_path, quant="int2", prune_ratio=0.3, train_codec=True, steps=6)
+    report = run_distill(cfg, models=pair)["reports"]["prompt"]
+    assert report["distilled"]["train_codec"] is True
+    kept = load_file(str(tmp_path / "d" / "prompt" / "train" / "best.safetensors"))
+    export = KVExport(report["out"])
+    for i in export.layer_indices:
+        k, v = codec(i, kept[f"{i}.k"][0], kept[f"{i}.v"][0])
+        got_k, got_v = edge_kv(decode_layer(export, i), edge.model)
+        assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    assert export.manifest["quant"] == "int2"

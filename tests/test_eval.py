@@ -432,11 +432,15 @@ def test_distilled_strategies_run_and_truncate_is_edgeprompt_of_the_head(tiny_mo
     distill.write_text("distill:\n  queries: 4\n  max_answer_tokens: 6\n  steps: 2\n  eval_every: 1\n  quant: fp32\n")
     strategies = ["edgeprompt", "ce-lslm-distill", "ce-lslm-distill@c4", "edgeprompt-selfdistill@c4",
                   "edgeprompt-truncate@c4", "ce-lslm-distill:nosum@c4", "ce-lslm-distill@c4s3",
-                  "ce-lslm-distill:v1@c4", "ce-lslm-distill:recall@c4"]
-    for bad in ("ce-lslm-distill@c0", "ce-lslm-distill@0.5/int8", "edgeprompt-truncate:nosum",
-                "edgeprompt-truncate@c4s3", "ce-lslm-distill@s0", "ce-lslm-distill@s3c4"):
+                  "ce-lslm-distill:v1@c4", "ce-lslm-distill:recall@c4", "ce-lslm-distill@c4/0/int4",
+                  "ce-lslm-distill:qat@c4/0.3/int2"]
+    for bad in ("ce-lslm-distill@c0", "ce-lslm-distill@/0.5/int8", "edgeprompt-truncate:nosum",
+                "edgeprompt-truncate@c4s3", "ce-lslm-distill@s0", "ce-lslm-distill@s3c4", "ce-lslm-distill@c4/int8",
+                "ce-lslm-distill@c4/1.5/int2"):
         with pytest.raises(EdgeKVError, match="unknown strategy"):
             _cfg(tiny_models, data, align_dir, tmp_path / "x", strategies=[bad]).validate()
+    with pytest.raises(EdgeKVError, match=":qat trains through a codec"):
+        _cfg(tiny_models, data, align_dir, tmp_path / "x", strategies=["ce-lslm-distill:qat@c4"]).validate()
     out = tmp_path / "run"
     run_eval(_cfg(tiny_models, data, align_dir, out, strategies=strategies, datasets=["xsum"],
                   distill_config=str(distill)))
@@ -449,6 +453,11 @@ def test_distilled_strategies_run_and_truncate_is_edgeprompt_of_the_head(tiny_mo
     for (s, i), r in by.items():
         if s.endswith("@c4"):  # a quarter of the tokens: about a quarter of EdgePrompt's bytes
             assert r["bytes_cloud_to_edge"] < 0.4 * by[("edgeprompt", i)]["bytes_cloud_to_edge"]
+    # the codec on top: int4 about 1/8 of the fp32 student, int2 (ThinK 0.3) less (tiny heads: the scales weigh)
+    for i in {i for _, i in by}:
+        fp32, int4 = by[("ce-lslm-distill@c4", i)], by[("ce-lslm-distill@c4/0/int4", i)]
+        assert int4["bytes_cloud_to_edge"] < 0.2 * fp32["bytes_cloud_to_edge"]
+        assert by[("ce-lslm-distill:qat@c4/0.3/int2", i)]["bytes_cloud_to_edge"] < int4["bytes_cloud_to_edge"]
     # the untrained head equals an edge that reads only the first P/4 tokens of the system prompt
     exports = sorted((out / "work" / "exports" / "edgeprompt-truncate-c4").glob("*/prompt/kv/manifest.json"))
     manifest = json.loads(exports[0].read_text())
@@ -457,6 +466,11 @@ def test_distilled_strategies_run_and_truncate_is_edgeprompt_of_the_head(tiny_mo
     steps = {p.parent.parent.parent.parent.name: json.loads(p.read_text())["distilled"]["steps"]
              for p in (out / "work" / "exports").glob("*/*/prompt/kv/manifest.json")}
     assert steps["ce-lslm-distill-c4s3"] == 3 and steps["ce-lslm-distill-c4"] == 2  # @s<S> overrides the config
+    codecs = {p.parent.parent.parent.parent.name: json.loads(p.read_text())
+              for p in (out / "work" / "exports").glob("*/*/prompt/kv/manifest.json")}
+    assert codecs["ce-lslm-distill-qat-c4-0.3-int2"]["quant"] == "int2"
+    assert codecs["ce-lslm-distill-qat-c4-0.3-int2"]["distilled"]["train_codec"] is True
+    assert "train_codec" not in codecs["ce-lslm-distill-c4-0-int4"]["distilled"]
     seeds = {p.parent.parent.parent.name: json.loads(p.read_text())["seed"]  # the recall variant's own sets
              for p in (out / "work" / "exports").glob("synthetic-cloud-*/*/prompt/synthetic.json")}
     assert "recall" in seeds["synthetic-cloud-recall"] and "recall" not in seeds["synthetic-cloud-all"]

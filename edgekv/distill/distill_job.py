@@ -50,7 +50,7 @@ from edgekv.distill.teacher import (
 )
 from edgekv.kv.catalog import Catalog, export_key
 from edgekv.kv.cloud_kv import same_model_layers
-from edgekv.kv.encode import encode_layer
+from edgekv.kv.encode import coded, encode_layer
 from edgekv.kv.export import export_manifest, model_info, token_ids_sha256, write_export
 from edgekv.kv.shared_prefix import SharedPrefix
 from edgekv.models.loading import LoadedModel, check_tokenizers, load_model
@@ -125,6 +125,9 @@ class DistillConfig(ModelSettings):
                                 "training ended).")
     quant: str = setting("bf16", "Export codec: fp32, fp16, bf16, int8, int4.")
     prune_ratio: float = 0.0  # ThinK on top of the trained KV
+    train_codec: bool = setting(False, "Train the student through the export codec (--quant, ThinK's prune ratio), "
+                                       "straight-through: the loss sees the KV as it ships.",
+                                toggle="--train-codec/--train-float")
     window: int = 32
     seed: int = seed_setting()
     shared: str | None = setting(None, "A shared prefix (--train-shared) the student is read after: per-prompt "
@@ -261,8 +264,10 @@ def distill_one(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, nam
         raise EdgeKVError(f"{name}: --length {keep} is beyond the system prompt's {ids.numel()} tokens")
     work.mkdir(parents=True, exist_ok=True)
     shared = SharedPrefix(cfg.shared, edge) if cfg.shared else None
+    queries = same_model_layers(edge, ids, 0, cfg.window, cfg.seed, shared=shared)  # the edge's queries score ThinK
+    codec = (lambda i, k, v: coded(k, v, queries[i].q_obs, cfg.prune_ratio, cfg.quant)) if cfg.train_codec else None
     student, index = initial_student(edge, ids, keep, cfg.rule, cfg.param, cfg.rank, cfg.seed, cfg.freeze_first,
-                                     shared.prefix if shared else None)
+                                     shared.prefix if shared else None, codec)
     samples, meta = synthetic_set(cfg, teacher, edge, student, ids, work, tasks)
     train, held = split_samples(samples, cfg.held_out, cfg.seed)
     start = time.perf_counter()
@@ -278,7 +283,7 @@ def distill_one(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, nam
         "supervised_tokens": int(sum(s.answer.numel() + (s.user.numel() - 1) * cfg.query_loss for s in train)),
         "on_policy_samples": sum(s.policy == "student" for s in samples), "seed": cfg.seed, "seeds": cfg.seeds,
         "freeze_first": cfg.freeze_first, "query_loss": cfg.query_loss, "batch": cfg.batch, "lr": cfg.lr,
-        **changed(cfg, "lr_schedule", "lr_decay_from", "keep")})
+        **changed(cfg, "lr_schedule", "lr_decay_from", "keep", "train_codec")}, queries)
     report.update({k: meta.get(k) for k in ("generate_s", "targets_s", "prefill_s", "teach_s", "student_s",
                                             "score_s")}, train_s=train_s, log=log_)
     if log_:
@@ -289,10 +294,12 @@ def distill_one(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, nam
 
 def student_export(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, student: Student,
                    ids: torch.Tensor, index: torch.Tensor, work: Path, shared: SharedPrefix | None,
-                   distilled: dict) -> dict:
+                   distilled: dict, queries: list | None = None) -> dict:
     """The student as an EdgePrompt-format export (edge-shaped KV of every layer) + its report; under a shared
-    prefix, the student's own tokens (positions relative to the prefix's end) and the prefix's fingerprint."""
-    queries = same_model_layers(edge, ids, 0, cfg.window, cfg.seed, shared=shared)  # the edge's queries score ThinK
+    prefix, the student's own tokens (positions relative to the prefix's end) and the prefix's fingerprint.
+    `queries`: the edge's `same_model_layers` of the prompt, when the caller has them."""
+    if queries is None:  # the edge's queries score ThinK
+        queries = same_model_layers(edge, ids, 0, cfg.window, cfg.seed, shared=shared)
     tensors, entries = {}, []
     for layer, (k, v) in zip(queries, student.kv()):
         # the student lives on the model's device, the captured queries on the CPU (where exports are encoded)

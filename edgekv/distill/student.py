@@ -3,7 +3,9 @@ predicts what the teacher predicts (Cartridges, Eyuboglu et al. 2025). It starts
 whole prompt when P' = P, else of P' tokens chosen by `select_tokens`), learns by the exact top-k + tail KL of
 `models.targets.topk_kl` with every model weight frozen, and ships as an ordinary EdgePrompt-format export
 (`distill_job.py`). At step 0 with P' = P the student *is* the edge's own prefill: EdgePrompt exactly. The first
-`freeze_first` tokens (the attention sink) can be kept at their initial KV, as Cartridges does.
+`freeze_first` tokens (the attention sink) can be kept at their initial KV, as Cartridges does. With a `codec`
+the student is read as it will ship (ThinK-pruned and quantized, `kv.encode.coded`) and trained through it
+straight-through (Bengio et al. 2013): the loss sees the shipped KV, the gradient updates the float KV beneath it.
 """
 
 from __future__ import annotations
@@ -51,12 +53,14 @@ class Student:
 
     def __init__(self, init: list[tuple[torch.Tensor, torch.Tensor]], next_position: int, param: str = "full",
                  rank: int = 8, seed: int = 0, dtype: torch.dtype | None = None, freeze_first: int = 0,
-                 front: PrefixKV | None = None):
+                 front: PrefixKV | None = None, codec: Callable | None = None):
         """`front`: a fixed prefix the student is read after (a shared prefix, issue 37); `next_position` then
-        counts from its end."""
+        counts from its end. `codec(i, keys, values)`: layer i's (kv_heads, P', d) KV as the edge reads it back
+        from the export (None: as trained)."""
         if param not in ("full", "lowrank"):
             raise EdgeKVError(f"--param must be 'full' or 'lowrank', got '{param}'")
         self.param, self.next_position, self.freeze_first, self.front = param, next_position, freeze_first, front
+        self.codec = codec
         self.dtype = dtype or init[0][0].dtype
         self.base = [(k.detach().float().clone(), v.detach().float().clone()) for k, v in init]
         g = torch.Generator().manual_seed(seed)
@@ -94,9 +98,19 @@ class Student:
             k, v = torch.cat([k0[:, :, :f], k[:, :, f:]], 2), torch.cat([v0[:, :, :f], v[:, :, f:]], 2)
         return k, v
 
+    def read(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's KV as the edge reads it: through the codec when there is one, its value what the export's
+        codes decode to and its gradient the float KV's (straight-through)."""
+        k, v = self.layer(i)
+        if self.codec is None:
+            return k, v
+        with torch.no_grad():  # the export is encoded from the model's dtype
+            k_hat, v_hat = self.codec(i, k[0].to(self.dtype), v[0].to(self.dtype))
+        return k_hat[None] + (k - k.detach()), v_hat[None] + (v - v.detach())  # + 0: the codes' value exactly
+
     def prefix(self) -> PrefixKV:
         """The student as a prefix the edge reads (in the model's dtype), after its `front` when it has one."""
-        layers = [tuple(t.to(self.dtype) for t in self.layer(i)) for i in range(len(self.base))]
+        layers = [tuple(t.to(self.dtype) for t in self.read(i)) for i in range(len(self.base))]
         if self.front is not None:
             return joined(self.front, layers, self.front.prefix_len + self.next_position)
         return PrefixKV(layers, self.tokens, next_position=self.next_position)
@@ -108,8 +122,8 @@ class Student:
 
 
 def initial_student(edge: LoadedModel, system_ids: torch.Tensor, keep: int, rule: str, param: str = "full",
-                    rank: int = 8, seed: int = 0, freeze_first: int = 0,
-                    front: PrefixKV | None = None) -> tuple[Student, torch.Tensor]:
+                    rank: int = 8, seed: int = 0, freeze_first: int = 0, front: PrefixKV | None = None,
+                    codec: Callable | None = None) -> tuple[Student, torch.Tensor]:
     """The student at step 0 and the prompt token indices it holds: the edge's own prefill of the whole prompt,
     kept at the chosen tokens (`even`, `all`), or the edge's prefill of the first P' tokens alone (`first`); read
     after `front` (a shared prefix) when given."""
@@ -123,7 +137,7 @@ def initial_student(edge: LoadedModel, system_ids: torch.Tensor, keep: int, rule
             full = fill(system_ids)
             init = [(k[:, :, index], v[:, :, index]) for k, v in full]
     return Student(init, next_position, param, rank, seed, dtype=init[0][0].dtype, freeze_first=freeze_first,
-                   front=front), index
+                   front=front, codec=codec), index
 
 
 def sample_loss(edge: LoadedModel, prefix: PrefixKV, s: Sample, query_loss: bool = False) -> torch.Tensor:

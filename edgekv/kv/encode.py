@@ -72,6 +72,17 @@ def encode_layer(kv: LayerKV, prune_ratio: float, quant: str, keep_recent: int) 
     return tensors, entry, row
 
 
+def coded(keys: torch.Tensor, values: torch.Tensor, q_obs: torch.Tensor, prune_ratio: float,
+          quant: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the edge reads back of edge-shaped `keys`/`values` (kv_heads, tokens, d) after `encode_layer` (no
+    recent tokens) and decoding: the same ThinK channels zero-filled, the same codes dequantized (float32)."""
+    index = think_select(think_scores(q_obs, keys), prune_ratio)
+    pruned = prune_keys(keys.float(), index)
+    k_hat = type(pruned)(dequantize(quantize(pruned.kept, quant, axis="channel")), index, pruned.recent,
+                         pruned.head_dim).zero_filled()
+    return k_hat, dequantize(quantize(values.float(), quant, axis="token"))
+
+
 def _encode_hidden(kv: LayerKV, quant: str) -> tuple[dict, dict, dict]:
     """Quantize the cloud's hidden states (one scale per token); nothing to prune: there are no keys yet."""
     hq = quantize(kv.hidden.float(), quant, axis="token")

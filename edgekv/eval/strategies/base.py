@@ -166,7 +166,8 @@ def parse_strategy(name: str) -> Strategy:
     with_knobs = "/".join(b for b, c in STRATEGIES.items() if c.knobs)
     usage = (f"unknown strategy '{name}' (choose from {', '.join(STRATEGIES)}, {with_variants}, and for "
              f"{with_knobs}[:variant] an @RATIO/CODEC suffix such as ce-lslm@0.25/int4; distilled ones take "
-             "@c<N> (a student of P/N tokens) and/or s<S> (S training steps), e.g. @c8s120)")
+             "@c<N> (a student of P/N tokens) and/or s<S> (S training steps), e.g. @c8s120, and/or /RATIO/CODEC, "
+             "e.g. @c2/0/int4 or @0.3/int2)")
     if cls is None or (variant and variant not in cls.variants):
         raise EdgeKVError(usage)
     if not knobs:

@@ -5,7 +5,8 @@ speed, trained so the edge reading it predicts what a teacher predicts reading t
   (alone or after c<N>): S training steps instead of the config's (recipe ablations share one synthetic set);
   `:nosum`: the seed instructions without the summarising one (a query type never in the synthetic set);
   `:v1`: the recipe shipped before issue 34 (`V1_RECIPE`), through today's teacher; `:recall`: the config's seed
-  types and `recall` (the prompt's own words, `teacher.RECALL`).
+  types and `recall` (the prompt's own words, `teacher.RECALL`). A `/RATIO/CODEC` suffix (`@0.3/int2`,
+  `@c2/0/int4`) exports the student ThinK-pruned and quantized; `:qat` also trains it through that codec.
 - `ce-lslm-distill-shared` (and its :recall, @c<N>, @s<S>): the same, on top of the run's shared prefix (issue 37).
 - `oracle-kv` (a bound, never shipped): the request's EdgePrompt KV trained toward the cloud's distribution over
   that request's own reference (issue 37): what a per-prompt KV can carry at most.
@@ -28,6 +29,7 @@ from typing import ClassVar
 
 import torch
 
+from edgekv import EdgeKVError
 from edgekv.config import changed, load_config
 from edgekv.distill.distill_job import V1_RECIPE, DistillConfig, run_distill, student_export
 from edgekv.distill.student import initial_student, train_student
@@ -49,11 +51,21 @@ class DistillStrategy(KVStrategy):
 
     @classmethod
     def with_knobs(cls, name, variant, knobs):
-        m = re.fullmatch(r"(?:c([1-9][0-9]*))?(?:s([1-9][0-9]*))?", knobs)
-        if not knobs or m is None or (m.group(2) and cls.steps is not None):
+        """`@c<N>`, `@s<S>`, `@c<N>s<S>`, each optionally followed by `/RATIO/CODEC`, or `@RATIO/CODEC` alone."""
+        m = re.fullmatch(r"(?:c([1-9][0-9]*))?(?:s([1-9][0-9]*))?(?:(?:^|/)([0-9.]+/[a-z0-9]+))?", knobs)
+        if not knobs or m is None or knobs.startswith("/") or (m.group(2) and cls.steps is not None):
             return None
-        return cls(name, variant, factor=int(m.group(1)) if m.group(1) else None,
+        codec = super().with_knobs(name, variant, m.group(3)) if m.group(3) else None
+        if m.group(3) and codec is None:
+            return None
+        return cls(name, variant, codec.prune_ratio if codec else None, codec.quant if codec else None,
+                   factor=int(m.group(1)) if m.group(1) else None,
                    train_steps=int(m.group(2)) if m.group(2) else None)
+
+    def validate(self, cfg) -> None:
+        super().validate(cfg)
+        if self.variant == "qat" and self.quant is None:
+            raise EdgeKVError(f"strategy {self.name}: :qat trains through a codec; give one, e.g. @0.3/int2")
 
     def cloud_model(self, a):
         return a.edge if self.teacher == "self" else a.cloud
@@ -70,12 +82,14 @@ class DistillStrategy(KVStrategy):
             seeds = [s for s in seeds if s != "summarization"]
         if self.variant == "recall" and RECALL not in seeds:
             seeds = [*seeds, RECALL]
+        if self.quant is not None:
+            cfg = replace(cfg, prune_ratio=self.prune_ratio, quant=self.quant, train_codec=self.variant == "qat")
+        seeds_of = self.variant if self.variant in ("nosum", "v1", "recall") else "all"  # variants with own queries
         return replace(cfg, out=str(work), system_prompt=f"@{prompt_file}", prompts=None, cloud=c.cloud, edge=c.edge,
                        dtype=c.dtype, teacher=self.teacher, compress=self.factor, length=None,
                        steps=self.steps if self.steps is not None else self.train_steps or cfg.steps,
                        instructions=instructions, seeds=seeds, shared=self.shared_path(a),
-                       synthetic_dir=str(work.parent.parent / f"synthetic-{self.teacher}-{self.variant or 'all'}"
-                                         / work.name))
+                       synthetic_dir=str(work.parent.parent / f"synthetic-{self.teacher}-{seeds_of}" / work.name))
 
     def make_export(self, a, work, prompt_file):
         cfg = self.distill_config(a, work, prompt_file)
@@ -90,7 +104,7 @@ class CeLslmDistill(DistillStrategy):
     """The cloud teaches the edge's KV of the whole prompt (or of P/N tokens with @c<N>)."""
 
     base = "ce-lslm-distill"
-    variants = ("nosum", "v1", "recall")
+    variants = ("nosum", "v1", "recall", "qat")
 
 
 @register_strategy
@@ -99,7 +113,7 @@ class CeLslmDistillShared(DistillStrategy):
     KV read after the prefix, and is read after it; the teacher's synthetic sets are ce-lslm-distill's."""
 
     base = "ce-lslm-distill-shared"
-    variants = ("recall",)
+    variants = ("recall", "qat")
     prefix_setting = "shared"
 
 
