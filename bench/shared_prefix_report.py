@@ -29,17 +29,24 @@ CONDITIONS = {"edgeprompt-shared": "edgeprompt-shared", "edgeprompt-shared-gated
               "distill-shared": "ce-lslm-distill-shared", "distill-c8-shared": "ce-lslm-distill-shared@c8",
               "distill-c8-shared-recall": "ce-lslm-distill-shared:recall@c8",
               "distill-c4-shared": "ce-lslm-distill-shared@c4", "distill-c2-shared": "ce-lslm-distill-shared@c2",
+              # 8x fewer bytes by bits: every token at 2 bits, 35 % of key channels pruned (twelfth session)
+              "edgeprompt-shared-int2": "edgeprompt-shared@0.35/int2",
+              "distill-shared-int2": "ce-lslm-distill-shared@0.35/int2",
+              "distill-shared-qat-int2": "ce-lslm-distill-shared:qat@0.35/int2",
               "fuse": "ce-lslm-fuse", "notes": "notes", "prefix-sft": "prefix-sft", "oracle-kv": "oracle-kv",
               "cloud": "cloud-only", "edge": "edge-only", "cloud-nosys": "cloud-nosys", "edge-nosys": "edge-nosys"}
 CONTRASTS = {"distill-shared - distill": ("distill-shared", "distill"),
              "distill-shared - edgeprompt-shared": ("distill-shared", "edgeprompt-shared"),
              "edgeprompt-shared-gated - edgeprompt-shared": ("edgeprompt-shared-gated", "edgeprompt-shared"),
-             "distill-c8-shared-recall - distill-c8-shared": ("distill-c8-shared-recall", "distill-c8-shared")}
+             "distill-c8-shared-recall - distill-c8-shared": ("distill-c8-shared-recall", "distill-c8-shared"),
+             "edgeprompt-shared-int2 - edgeprompt-shared": ("edgeprompt-shared-int2", "edgeprompt-shared"),
+             "distill-shared-qat-int2 - distill-shared-int2": ("distill-shared-qat-int2", "distill-shared-int2"),
+             "distill-shared-qat-int2 - distill-c8-shared": ("distill-shared-qat-int2", "distill-c8-shared")}
 SHIPPED = ("edgeprompt-shared", "edgeprompt-shared-gated", "distill", "distill-shared", "distill-c8-shared", "fuse")
-# gap shares reported, not shipped (oracle-kv: a bound; the recall student: a candidate until its rule is met; the
-# P/4 and P/2 students: how much a longer student recovers)
+# gap shares reported, not shipped (oracle-kv: a bound; the recall and 2-bit students: candidates until their rules
+# are met; the P/4 and P/2 students: how much a longer student recovers)
 BESIDE = (HELD_OUT, "notes", "prefix-sft", "oracle-kv", "distill-c8-shared-recall", "distill-c4-shared",
-          "distill-c2-shared")
+          "distill-c2-shared", "edgeprompt-shared-int2", "distill-shared-int2", "distill-shared-qat-int2")
 SHARED = Spec(CONDITIONS, CONTRASTS, {f"gap_closed_by_{c}": c for c in SHIPPED + BESIDE}, REFERENCE)
 
 

@@ -478,6 +478,16 @@ def test_report_pairs_conditions_and_decomposes_the_lead():
     assert picked["xsum:5"]["distill-c8-shared"] == pytest.approx(0.3)
     assert picked["xsum:5"]["distill-c8-shared-recall"] == pytest.approx(-0.05)
     assert picked["xsum:5"]["edgeprompt-shared"] == pytest.approx(-0.2) and "oracle-kv" not in picked["xsum:5"]
+    # the 2-bit conditions: their cells and their contrasts (with the prefix's own KV, the float-trained 2-bit student
+    # and @c8)
+    rows += [{**r, "strategy": s, "ref_nll": r["ref_nll"] + dv} for r in rows if r["strategy"] == "edgeprompt"
+             for s, dv in (("edgeprompt-shared@0.35/int2", -0.15), ("ce-lslm-distill-shared@0.35/int2", -0.1),
+                           ("ce-lslm-distill-shared:qat@0.35/int2", -0.12))]
+    cells = distill_summary(rows, 0, SHARED)["xsum"]
+    assert cells["edgeprompt-shared-int2 - edgeprompt-shared"]["delta_mean"] == pytest.approx(0.05)
+    assert cells["distill-shared-qat-int2 - distill-shared-int2"]["delta_mean"] == pytest.approx(-0.02)
+    assert cells["distill-shared-qat-int2 - distill-c8-shared"]["delta_mean"] == pytest.approx(-0.12 - 0.05)
+    assert cells["gap_closed_by_distill-shared-qat-int2"]["fraction"] == pytest.approx(0.12)
 
 
 def test_report_splits_the_gates_requests_by_what_it_chose():
