@@ -147,3 +147,16 @@ def test_plan_bad_input(tmp_path):
     result = runner.invoke(app, ["plan", "--qpb", str(tmp_path), "--link", "fast"])
     assert result.exit_code == 1 and "a link is MBPS[,MS]" in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+def test_quality_per_byte_falls_back_to_the_bare_family():
+    """Without `family@0/fp16` a variant is paired with the family as the run configured it (edgeprompt-shared)."""
+    from edgekv.eval.quality_per_byte import quality_per_byte
+
+    rows = [{"dataset": "sharegpt", "id": str(i), "strategy": s, "ref_nll": 2.0 + 0.01 * i + dv,
+             "bertscore_f1": 0.5, "bytes_cloud_to_edge": b, "cloud_fp16_bytes": 800}
+            for i in range(5) for s, dv, b in (("edgeprompt-shared", 0.0, 800),
+                                               ("edgeprompt-shared@0.35/int2", 0.1, 100), ("edgeprompt", -0.5, 800))]
+    (row,) = quality_per_byte(rows)
+    assert row["strategy"] == "edgeprompt-shared@0.35/int2" and row["family"] == "edgeprompt-shared"
+    assert row["d_nll"] == pytest.approx(0.1) and row["ratio_vs_cloud_fp16"] == pytest.approx(8.0)

@@ -1,5 +1,6 @@
 """Quality per byte: for each splice family (edgeprompt, ce-lslm), every ThinK ratio × codec variant run by eval
-(`family@λ/codec`) against the family's uncompressed splice (`family@0/fp16`): bytes shipped, compression vs the
+(`family@λ/codec`) against the family's uncompressed splice (`family@0/fp16`, else the family as configured, e.g.
+`edgeprompt-shared` in the run's dtype): bytes shipped, compression vs the
 cloud's fp16 KV of the same layers, paired Δ reference NLL and Δ BERTScore with bootstrap intervals; a table, a
 CSV and a Pareto plot."""
 
@@ -18,7 +19,8 @@ GOAL = {"ratio": 8.0, "bertscore": 0.01, "nll": 0.02}
 
 
 def quality_per_byte(rows: list[dict], seed: int = 0) -> list[dict]:
-    """One row per (dataset, variant) of a family whose uncompressed reference `family@0/fp16` was run."""
+    """One row per (dataset, variant) of a family whose uncompressed reference (`family@0/fp16`, else the bare
+    family) was run."""
     out = []
     variants = {r["strategy"]: parse_strategy(r["strategy"]) for r in rows}
     for dataset in dict.fromkeys(r["dataset"] for r in rows):
@@ -26,9 +28,11 @@ def quality_per_byte(rows: list[dict], seed: int = 0) -> list[dict]:
         for name, st in variants.items():
             if st.prune_ratio is None:
                 continue
-            reference = f"{st.base}{':' + st.variant if st.variant else ''}@0/fp16"
+            family = f"{st.base}{':' + st.variant if st.variant else ''}"
+            ran = {r["strategy"] for r in here}
+            reference = next((f for f in (f"{family}@0/fp16", family) if f in ran), None)
             mine = [r for r in here if r["strategy"] == name]
-            if not mine or not any(r["strategy"] == reference for r in here):
+            if not mine or reference is None:
                 continue
             pair = [r for r in here if r["strategy"] in (name, reference)]
             nll = paired_to_edge(pair, "ref_nll", reference, seed)
