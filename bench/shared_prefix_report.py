@@ -9,6 +9,8 @@ system prompt).
         [--against NAME]              # the variants' contrasts against variant NAME (a control), not the shipped prefix
         [--exclude DATASET:ID ...]    # a request left out of every cell (one some condition's training text holds)
         [--request DATASET:ID ...]    # that request's Δ vs EdgePrompt under every condition (a rule that names it)
+        [--only CONDITION ...]        # only these conditions (and the cloud, the gaps' ceiling): the requests all of
+                                      # them answered, when another condition ran on a few requests only
 """
 
 from __future__ import annotations
@@ -135,6 +137,18 @@ def with_variants(spec: Spec, names: list[str], against: str | None = None) -> S
                    gaps={**spec.gaps, **{f"gap_closed_by_{c}": c for c in added}})
 
 
+def only(spec: Spec, names: list[str]) -> Spec:
+    """`spec` reduced to the conditions `names` and the cloud (the gaps' ceiling), with the contrasts and gap
+    shares among them."""
+    if unknown := set(names) - set(spec.conditions):
+        raise EdgeKVError(f"--only: no condition {', '.join(sorted(unknown))} (choose from "
+                          f"{', '.join(spec.conditions)})")
+    keep = {c: s for c, s in spec.conditions.items() if c in names or c == "cloud"}
+    return replace(spec, conditions=keep,
+                   contrasts={k: (a, b) for k, (a, b) in spec.contrasts.items() if a in keep and b in keep},
+                   gaps={k: c for k, c in spec.gaps.items() if c in keep})
+
+
 def request_keys(given: list[str]) -> set[tuple[str, str]]:
     """DATASET:ID flags as (dataset, id) pairs (an empty side is left for the caller to refuse)."""
     return {(d, i) for d, _, i in (g.partition(":") for g in given)}
@@ -157,6 +171,8 @@ def main() -> None:
                     help="leave this request out of every cell (its source's excluded_requests in summary.json)")
     ap.add_argument("--request", action="append", default=[], metavar="DATASET:ID",
                     help="report this request's Δ vs EdgePrompt under every condition (summary.json's requests)")
+    ap.add_argument("--only", action="append", default=[], metavar="CONDITION",
+                    help="compare only these conditions (and the cloud): the requests all of them answered")
     args = ap.parse_args()
     exclude, picks = request_keys(args.exclude), request_keys(args.request)
     if any(not d or not i for d, i in exclude | picks):
@@ -176,6 +192,8 @@ def main() -> None:
         if args.gated is not None and args.gated not in [name for name, _, _ in variants]:
             raise EdgeKVError(f"--gated {args.gated}: no --variant of that name")
         spec = with_variants(SHARED, [name for name, _, _ in variants], args.against)
+        if args.only:
+            spec = only(spec, args.only)
         if args.gated is not None:  # the gate against the prefix it gated, read on every request
             contrasts = {k: v for k, v in spec.contrasts.items() if v[0] != "edgeprompt-shared-gated"}
             spec = replace(spec, contrasts={**contrasts, f"edgeprompt-shared-gated - {ungated}":
