@@ -137,6 +137,7 @@ def test_distilled_prefix_is_differentiable(pair):
     (["--system-prompt", "hello", "--teacher", "oracle"], "--teacher"),
     (["--system-prompt", "hello", "--seeds", "question,gossip"], "gossip"),
     (["--system-prompt", "hello", "--on-policy", "1.5"], "on_policy"),
+    (["--system-prompt", "hello", "--quant", "int3", "--train-codec"], "unknown --quant 'int3'"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tiny_models, tmp_path, args, message):
     out = tmp_path / "d"

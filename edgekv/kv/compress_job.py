@@ -67,7 +67,7 @@ class CompressConfig(ModelSettings):
     prune_ratio: float = setting(0.0, "ThinK key-channel pruning ratio λ in [0, 1).")
     window: int = setting(32, "ThinK observation window: last w prompt positions.")
     keep_recent: int = setting(0, "Last r tokens keep every key channel.")
-    quant: str = setting("fp16", "fp16, bf16, int8 or int4.")
+    quant: str = setting("fp16", "fp16, bf16, int8, int4 or int2.")
     map_on: str = setting("cloud", "Apply the cross-model map on the cloud or the edge.")
     translator: str | None = setting(
         None, "Cross-model translator: ridge, hidden, trained, fuse-bias, fuse-residual.",
