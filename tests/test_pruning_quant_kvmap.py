@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from edgekv import EdgeKVError
-from edgekv.kv.codecs import dequantize, quantize
+from edgekv.kv.codecs import Quantized, dequantize, quantize
 from edgekv.kv.pruning import attention_error, kept_count, prune_keys, pruned_scores, think_scores, think_select
 from edgekv.kv.translators import fit_ridge, r2_score
 
@@ -104,6 +104,8 @@ def test_int2_packs_four_codes_a_byte_and_its_clip_beats_min_max(axis):
     err, err_mm = ((back - x) ** 2).sum(dim), ((min_max - x) ** 2).sum(dim)
     assert bool((err <= err_mm * 1.01 + 1e-4).all()) and float(err.sum()) < float(err_mm.sum())
     assert float((back - x).norm() / x.norm()) < 0.35  # a real code, not the row means
+    with pytest.raises(EdgeKVError, match=r"int2 data needs a \(step, low\) pair"):  # a damaged export's scales
+        dequantize(Quantized("int2", q.data, q.scale[..., :1], q.shape, axis))
 
 
 def test_passthrough_and_zero_rows():

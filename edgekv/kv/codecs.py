@@ -134,6 +134,9 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor
     if tuple(values.shape) != q.shape:
         raise EdgeKVError(f"quantized data has shape {tuple(values.shape)}, expected {q.shape}")
     if q.scheme == "int2":
+        if q.scale is None or q.scale.shape[-1] != 2:
+            raise EdgeKVError(f"int2 data needs a (step, low) pair per row, got scales of shape "
+                              f"{None if q.scale is None else tuple(q.scale.shape)}")
         step, low = q.scale[..., 0].to(torch.float32), q.scale[..., 1].to(torch.float32)
         return (low + values * step).to(dtype)
     return (values * q.scale.to(torch.float32)).to(dtype)
