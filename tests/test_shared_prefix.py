@@ -489,12 +489,13 @@ def test_report_pairs_conditions_and_decomposes_the_lead():
     assert cells["distill-shared-qat-int2 - distill-c8-shared"]["delta_mean"] == pytest.approx(-0.12 - 0.05)
     assert cells["gap_closed_by_distill-shared-qat-int2"]["fraction"] == pytest.approx(0.12)
     # --only: the named conditions and the cloud, with the contrasts and gaps among them
-    from bench.shared_prefix_report import only
+    from bench.shared_prefix_report import only, share_of_oracle
 
     few = only(SHARED, ["distill-shared-qat-int2", "distill-c8-shared"])
     assert set(few.conditions) == {"distill-shared-qat-int2", "distill-c8-shared", "cloud"}
     assert list(few.contrasts) == ["distill-shared-qat-int2 - distill-c8-shared"]
     assert set(few.gaps.values()) == {"distill-shared-qat-int2", "distill-c8-shared"}
+    assert share_of_oracle(rows, few.conditions) == {}  # no oracle-kv rows; the left-out conditions are skipped
     with pytest.raises(EdgeKVError, match="--only: no condition nope"):
         only(SHARED, ["nope"])
 
