@@ -50,7 +50,7 @@ from edgekv.distill.teacher import (
 )
 from edgekv.kv.catalog import Catalog, export_key
 from edgekv.kv.cloud_kv import same_model_layers
-from edgekv.kv.codecs import SCHEMES
+from edgekv.kv.codecs import check_scheme
 from edgekv.kv.encode import coded, encode_layer
 from edgekv.kv.export import export_manifest, model_info, token_ids_sha256, write_export
 from edgekv.kv.shared_prefix import SharedPrefix
@@ -193,8 +193,7 @@ class DistillConfig(ModelSettings):
             raise EdgeKVError("on_policy must be in [0, 1]; window_tokens and teacher_batch ≥ 1")
         if not 0 < self.held_out < 1 or self.top_k < 1 or self.eval_every < 1 or self.patience < 1:
             raise EdgeKVError("held_out must be in (0, 1); top_k, eval_every and patience ≥ 1")
-        if self.quant not in SCHEMES:
-            raise EdgeKVError(f"unknown --quant '{self.quant}' (choose from {', '.join(SCHEMES)})")
+        check_scheme(self.quant)
         if self.keep not in ("best", "last"):
             raise EdgeKVError(f"--keep must be best or last, got '{self.keep}'")
         if self.lr_schedule not in ("constant", "cosine"):

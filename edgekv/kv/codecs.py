@@ -65,6 +65,12 @@ def _unpack_int4(packed: torch.Tensor, last: int) -> torch.Tensor:
     return both - 8
 
 
+def check_scheme(scheme: str) -> None:
+    """One-line error for a --quant that names no codec (before any model loads)."""
+    if scheme not in SCHEMES:
+        raise EdgeKVError(f"unknown --quant '{scheme}' (choose from {', '.join(SCHEMES)})")
+
+
 CLIPS = torch.linspace(1.0, 0.3, 15)  # int2: the share of a row's half-range kept, searched per row
 
 

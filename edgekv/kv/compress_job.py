@@ -31,7 +31,7 @@ from edgekv.config import (
     workers_setting,
 )
 from edgekv.kv.cloud_kv import cloud_side
-from edgekv.kv.codecs import SCHEMES
+from edgekv.kv.codecs import check_scheme
 from edgekv.kv.encode import encode_layer, raw_fp16_bytes
 from edgekv.kv.export import export_manifest, model_info, sha256_bytes, write_export
 from edgekv.kv.pruning import check_ratio
@@ -115,8 +115,7 @@ class CompressConfig(ModelSettings):
             raise EdgeKVError(f"--window must be ≥ 1, got {self.window}")
         if self.keep_recent < 0:
             raise EdgeKVError(f"--keep-recent must be ≥ 0, got {self.keep_recent}")
-        if self.quant not in SCHEMES:
-            raise EdgeKVError(f"unknown --quant '{self.quant}' (choose from {', '.join(SCHEMES)})")
+        check_scheme(self.quant)
         if self.map_on not in ("cloud", "edge"):
             raise EdgeKVError(f"--map-on must be 'cloud' or 'edge', got '{self.map_on}'")
         if self.translator is not None and self.translator not in TRANSLATORS:
