@@ -32,6 +32,16 @@ def register_strategy(cls: type[Strategy]) -> type[Strategy]:
     return cls
 
 
+def ratio_codec(knobs: str) -> tuple[float, str] | None:
+    """`RATIO/CODEC` → (ThinK ratio in [0, 1), codec), or None when it is not one."""
+    ratio, _, quant = knobs.partition("/")
+    try:
+        r = float(ratio)
+    except ValueError:
+        return None
+    return (r, quant) if quant in SCHEMES and 0.0 <= r < 1.0 else None
+
+
 @dataclass
 class Answering:
     """A strategy's session for one request and what it cost to get there."""
@@ -65,14 +75,10 @@ class Strategy(ABC):
     @classmethod
     def with_knobs(cls, name: str, variant: str, knobs: str) -> Strategy | None:
         """The strategy with an `@…` suffix (None: this class takes no such suffix): `@RATIO/CODEC`."""
-        ratio, _, quant = knobs.partition("/")
-        try:
-            r = float(ratio)
-        except ValueError:
+        codec = ratio_codec(knobs)
+        if not cls.knobs or codec is None:
             return None
-        if not cls.knobs or quant not in SCHEMES or not 0.0 <= r < 1.0:
-            return None
-        return cls(name, variant, r, quant)
+        return cls(name, variant, *codec)
 
     def validate(self, cfg) -> None:
         """One-line errors for settings this strategy needs (before any model loads)."""

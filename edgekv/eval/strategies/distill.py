@@ -34,7 +34,7 @@ from edgekv.config import changed, load_config
 from edgekv.distill.distill_job import V1_RECIPE, DistillConfig, run_distill, student_export
 from edgekv.distill.student import initial_student, train_student
 from edgekv.distill.teacher import RECALL, BatchedTeacher, Sample
-from edgekv.eval.strategies.base import Answering, KVStrategy, Strategy, register_strategy
+from edgekv.eval.strategies.base import Answering, KVStrategy, Strategy, ratio_codec, register_strategy
 from edgekv.serve.session import EdgeSession
 from edgekv.texts import reference_ids
 
@@ -55,11 +55,10 @@ class DistillStrategy(KVStrategy):
         m = re.fullmatch(r"(?:c([1-9][0-9]*))?(?:s([1-9][0-9]*))?(?:(?:^|/)([0-9.]+/[a-z0-9]+))?", knobs)
         if not knobs or m is None or knobs.startswith("/") or (m.group(2) and cls.steps is not None):
             return None
-        codec = super().with_knobs(name, variant, m.group(3)) if m.group(3) else None
-        if m.group(3) and codec is None:
+        ratio, quant = ratio_codec(m.group(3) or "") or (None, None)
+        if m.group(3) and quant is None:
             return None
-        return cls(name, variant, codec.prune_ratio if codec else None, codec.quant if codec else None,
-                   factor=int(m.group(1)) if m.group(1) else None,
+        return cls(name, variant, ratio, quant, factor=int(m.group(1)) if m.group(1) else None,
                    train_steps=int(m.group(2)) if m.group(2) else None)
 
     def validate(self, cfg) -> None:
