@@ -25,11 +25,11 @@ def quality_per_byte(rows: list[dict], seed: int = 0) -> list[dict]:
     variants = {r["strategy"]: parse_strategy(r["strategy"]) for r in rows}
     for dataset in dict.fromkeys(r["dataset"] for r in rows):
         here = [r for r in rows if r["dataset"] == dataset]
+        ran = {r["strategy"] for r in here}
         for name, st in variants.items():
             if st.prune_ratio is None:
                 continue
             family = f"{st.base}{':' + st.variant if st.variant else ''}"
-            ran = {r["strategy"] for r in here}
             reference = next((f for f in (f"{family}@0/fp16", family) if f in ran), None)
             mine = [r for r in here if r["strategy"] == name]
             if not mine or reference is None:
