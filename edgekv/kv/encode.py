@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from edgekv.kv.codecs import Quantized, dequantize, quantize
-from edgekv.kv.pruning import attention_error, prune_keys, think_scores, think_select
+from edgekv.kv.pruning import PrunedKeys, attention_error, prune_keys, think_scores, think_select
 
 
 @dataclass
@@ -34,15 +34,21 @@ def _quant_tensors(prefix: str, q: Quantized) -> dict[str, torch.Tensor]:
     return out
 
 
+def _codes(keys: torch.Tensor, values: torch.Tensor, q_obs: torch.Tensor, prune_ratio: float, quant: str,
+           keep_recent: int) -> tuple[torch.Tensor, PrunedKeys, Quantized, Quantized]:
+    """ThinK's kept key channels, the pruned keys, and the quantized kept keys and values: what an export stores
+    (`encode_layer`) and what a student trained through the codec reads (`coded`)."""
+    index = think_select(think_scores(q_obs, keys), prune_ratio)
+    pruned = prune_keys(keys.float(), index, keep_recent)
+    return index, pruned, quantize(pruned.kept, quant, axis="channel"), quantize(values.float(), quant, axis="token")
+
+
 def encode_layer(kv: LayerKV, prune_ratio: float, quant: str, keep_recent: int) -> tuple[dict, dict, dict]:
     """ThinK-prune and quantize one layer → (safetensors tensors, manifest entry, report row)."""
     if kv.space == "cloud-hidden":
         return _encode_hidden(kv, quant)
     keep_recent = min(keep_recent, kv.keys.shape[1])
-    index = think_select(think_scores(kv.q_obs, kv.keys), prune_ratio)
-    pruned = prune_keys(kv.keys.float(), index, keep_recent)
-    kq = quantize(pruned.kept, quant, axis="channel")
-    vq = quantize(kv.values.float(), quant, axis="token")
+    index, pruned, kq, vq = _codes(kv.keys, kv.values, kv.q_obs, prune_ratio, quant, keep_recent)
     tensors = {**_quant_tensors("key", kq), **_quant_tensors("value", vq)}
     entry = {
         "edge_layer": kv.edge_layer, "cloud_layer": kv.cloud_layer, "space": kv.space,
@@ -76,11 +82,8 @@ def coded(keys: torch.Tensor, values: torch.Tensor, q_obs: torch.Tensor, prune_r
           quant: str) -> tuple[torch.Tensor, torch.Tensor]:
     """What the edge reads back of edge-shaped `keys`/`values` (kv_heads, tokens, d) after `encode_layer` (no
     recent tokens) and decoding: the same ThinK channels zero-filled, the same codes dequantized (float32)."""
-    index = think_select(think_scores(q_obs, keys), prune_ratio)
-    pruned = prune_keys(keys.float(), index)
-    k_hat = type(pruned)(dequantize(quantize(pruned.kept, quant, axis="channel")), index, pruned.recent,
-                         pruned.head_dim).zero_filled()
-    return k_hat, dequantize(quantize(values.float(), quant, axis="token"))
+    index, pruned, kq, vq = _codes(keys, values, q_obs, prune_ratio, quant, 0)
+    return PrunedKeys(dequantize(kq), index, pruned.recent, pruned.head_dim).zero_filled(), dequantize(vq)
 
 
 def _encode_hidden(kv: LayerKV, quant: str) -> tuple[dict, dict, dict]:
