@@ -46,6 +46,8 @@ class DistillStrategy(KVStrategy):
     train_steps: int | None = None  # @s<S>; None: the config's
 
     teacher: ClassVar[str] = "cloud"
+    # variants that change only how the student trains or ships, not its queries: they reuse the plain synthetic set
+    same_queries: ClassVar[tuple[str, ...]] = ("qat",)
     steps: ClassVar[int | None] = None  # fixed by the class (the untrained control); None: train_steps
     knobs: ClassVar[bool] = True
 
@@ -83,7 +85,7 @@ class DistillStrategy(KVStrategy):
             seeds = [*seeds, RECALL]
         if self.quant is not None:
             cfg = replace(cfg, prune_ratio=self.prune_ratio, quant=self.quant, train_codec=self.variant == "qat")
-        seeds_of = self.variant if self.variant in ("nosum", "v1", "recall") else "all"  # variants with own queries
+        seeds_of = "all" if not self.variant or self.variant in self.same_queries else self.variant
         return replace(cfg, out=str(work), system_prompt=f"@{prompt_file}", prompts=None, cloud=c.cloud, edge=c.edge,
                        dtype=c.dtype, teacher=self.teacher, compress=self.factor, length=None,
                        steps=self.steps if self.steps is not None else self.train_steps or cfg.steps,
