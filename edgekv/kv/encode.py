@@ -3,7 +3,7 @@ with the attention and value errors that encoding costs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -35,12 +35,11 @@ def _quant_tensors(prefix: str, q: Quantized) -> dict[str, torch.Tensor]:
 
 
 def _codes(keys: torch.Tensor, values: torch.Tensor, q_obs: torch.Tensor, prune_ratio: float, quant: str,
-           keep_recent: int) -> tuple[torch.Tensor, PrunedKeys, Quantized, Quantized]:
-    """ThinK's kept key channels, the pruned keys, and the quantized kept keys and values: what an export stores
+           keep_recent: int) -> tuple[PrunedKeys, Quantized, Quantized]:
+    """The keys pruned to ThinK's channels, and the quantized kept keys and values: what an export stores
     (`encode_layer`) and what a student trained through the codec reads (`coded`)."""
-    index = think_select(think_scores(q_obs, keys), prune_ratio)
-    pruned = prune_keys(keys.float(), index, keep_recent)
-    return index, pruned, quantize(pruned.kept, quant, axis="channel"), quantize(values.float(), quant, axis="token")
+    pruned = prune_keys(keys.float(), think_select(think_scores(q_obs, keys), prune_ratio), keep_recent)
+    return pruned, quantize(pruned.kept, quant, axis="channel"), quantize(values.float(), quant, axis="token")
 
 
 def encode_layer(kv: LayerKV, prune_ratio: float, quant: str, keep_recent: int) -> tuple[dict, dict, dict]:
@@ -48,7 +47,8 @@ def encode_layer(kv: LayerKV, prune_ratio: float, quant: str, keep_recent: int) 
     if kv.space == "cloud-hidden":
         return _encode_hidden(kv, quant)
     keep_recent = min(keep_recent, kv.keys.shape[1])
-    index, pruned, kq, vq = _codes(kv.keys, kv.values, kv.q_obs, prune_ratio, quant, keep_recent)
+    pruned, kq, vq = _codes(kv.keys, kv.values, kv.q_obs, prune_ratio, quant, keep_recent)
+    index = pruned.index
     tensors = {**_quant_tensors("key", kq), **_quant_tensors("value", vq)}
     entry = {
         "edge_layer": kv.edge_layer, "cloud_layer": kv.cloud_layer, "space": kv.space,
@@ -60,8 +60,7 @@ def encode_layer(kv: LayerKV, prune_ratio: float, quant: str, keep_recent: int) 
         tensors.update(_quant_tensors("key_recent", rq))
         entry["key_recent"] = rq.params()
     # errors on held-out queries: channel pruning alone, then pruning + quantization of the keys
-    k_hat = dequantize(kq)
-    restored = type(pruned)(k_hat, index, dequantize(rq) if keep_recent else pruned.recent, pruned.head_dim)
+    restored = replace(pruned, kept=dequantize(kq), recent=dequantize(rq) if keep_recent else pruned.recent)
     full = kv.keys.float()
     group = kv.q_heldout.shape[0] // full.shape[0]
     logits = kv.q_heldout.double() @ full.double().repeat_interleave(group, 0).transpose(1, 2)
@@ -82,8 +81,8 @@ def coded(keys: torch.Tensor, values: torch.Tensor, q_obs: torch.Tensor, prune_r
           quant: str) -> tuple[torch.Tensor, torch.Tensor]:
     """What the edge reads back of edge-shaped `keys`/`values` (kv_heads, tokens, d) after `encode_layer` (no
     recent tokens) and decoding: the same ThinK channels zero-filled, the same codes dequantized (float32)."""
-    index, pruned, kq, vq = _codes(keys, values, q_obs, prune_ratio, quant, 0)
-    return PrunedKeys(dequantize(kq), index, pruned.recent, pruned.head_dim).zero_filled(), dequantize(vq)
+    pruned, kq, vq = _codes(keys, values, q_obs, prune_ratio, quant, 0)
+    return replace(pruned, kept=dequantize(kq)).zero_filled(), dequantize(vq)
 
 
 def _encode_hidden(kv: LayerKV, quant: str) -> tuple[dict, dict, dict]:
