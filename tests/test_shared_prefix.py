@@ -171,6 +171,8 @@ def test_refusals(pair, tiny_models, prompts, tmp_path):
     (["--train-shared", "--lr-schedule", "linear"], "--lr-schedule must be constant or cosine"),
     (["--train-shared", "--lr-decay-from", "1"], "--lr-decay-from needs --lr-schedule cosine"),
     (["--train-shared", "--lr-schedule", "cosine", "--lr-decay-from", "1"], "0 < it < --steps (1)"),
+    (["--shared-start", "nowhere"], "--shared-start is where --train-shared starts from"),
+    (["--train-shared", "--shared-start", "nowhere"], "nowhere"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tiny_models, prompts, tmp_path, args, message):
     if "--system-prompt" not in args:
@@ -884,6 +886,31 @@ def test_a_finished_constant_run_resumes_into_a_decay_of_its_own_last_stretch(pa
     for i in range(edge.num_layers):
         assert torch.equal(a.prefix.layer(i)[0], b.prefix.layer(i)[0])
         assert not torch.equal(a.prefix.layer(i)[0], c.prefix.layer(i)[0])
+
+
+def test_a_warm_start_goes_on_from_where_a_trained_prefix_ended(pair, prompts, tmp_path):
+    """--shared-start: step 0 is the start's KV exactly (no step exports it unchanged; on the same held-out prompts
+    its first held-out KL is the start's last), the manifest records the start; another K is refused."""
+    cloud, edge = pair
+    done = run_distill(_cfg(tmp_path / "a", prompts, steps=4, keep="last"), models=(cloud, edge))["shared"]
+    start = SharedPrefix(done["out"], edge)
+    kept = run_distill(_cfg(tmp_path / "k", prompts, steps=0, keep="last", shared_start=done["out"]),
+                       models=(cloud, edge))["shared"]
+    went_on = run_distill(_cfg(tmp_path / "w", prompts, steps=4, keep="last", shared_start=done["out"]),
+                          models=(cloud, edge))["shared"]
+    assert went_on["shared_prefix"]["initial_held_out_kl"] == done["shared_prefix"]["held_out_kl"]
+    assert went_on["shared_prefix"]["started_from"] == start.describe()
+    assert "started_from" not in done["shared_prefix"]
+    a, b = SharedPrefix(kept["out"], edge), SharedPrefix(went_on["out"], edge)
+    assert a.manifest["system_prompt"] == start.manifest["system_prompt"]  # the start's K token ids
+    for i in range(edge.num_layers):
+        assert torch.equal(a.prefix.layer(i)[0], start.prefix.layer(i)[0])
+        assert torch.equal(a.prefix.layer(i)[1], start.prefix.layer(i)[1])
+        assert not torch.equal(b.prefix.layer(i)[0], start.prefix.layer(i)[0])
+    with pytest.raises(EdgeKVError, match="holds K = 6 tokens, --shared-tokens says 4"):
+        run_distill(_cfg(tmp_path / "m", prompts, shared_tokens=4, shared_start=done["out"]), models=(cloud, edge))
+    with pytest.raises(EdgeKVError, match="--shared-start is where --train-shared starts from"):
+        _cfg(tmp_path / "n", prompts, train_shared=False, shared_start=done["out"]).validate()
 
 
 def test_copy_spans_finds_where_a_reference_repeats_its_prompt(tmp_path, monkeypatch):

@@ -137,6 +137,9 @@ class DistillConfig(ModelSettings):
     train_shared: bool = setting(False, "Train one shared prefix across --prompts (written to OUT/prefix).",
                                  toggle="--train-shared/--per-prompt")
     shared_tokens: int = setting(32, "K: tokens of the shared prefix.")
+    shared_start: str | None = setting(None, "--train-shared: start from this trained shared prefix (its K tokens' "
+                                             "KV) instead of the edge's prefill of shared_init.",
+                                       shown="the edge's prefill of shared_init")
     shared_init: str = "The text below is a document. A question or an instruction about it follows, then a " \
                        "careful answer that uses the document. "  # the prefix's first K tokens (repeated to K)
     held_prompts: int = setting(2, "Training prompts held out for the shared prefix's early stopping.")
@@ -203,6 +206,8 @@ class DistillConfig(ModelSettings):
                               f"{self.lr_decay_from}")
         if self.batch < 1 or self.freeze_first < 0:
             raise EdgeKVError("batch must be ≥ 1 and freeze_first ≥ 0")
+        if self.shared_start and not self.train_shared:
+            raise EdgeKVError("--shared-start is where --train-shared starts from; give --train-shared")
         if self.train_shared and self.shared:
             raise EdgeKVError("--train-shared trains a shared prefix; --shared reads a trained one (give one of them)")
         if self.train_shared:

@@ -44,7 +44,7 @@ from edgekv.distill.student import Student, sample_loss, train_prefix
 from edgekv.distill.synthetic import keep_set, kept_set, synthetic_set
 from edgekv.distill.teacher import Sample
 from edgekv.kv.export import token_ids_sha256
-from edgekv.kv.shared_prefix import write_shared_prefix
+from edgekv.kv.shared_prefix import SharedPrefix, write_shared_prefix
 from edgekv.kv.train_loop import example_index
 from edgekv.models.loading import LoadedModel
 from edgekv.models.structure import attn_shape, model_device
@@ -76,6 +76,17 @@ def initial_prefix(edge: LoadedModel, ids: torch.Tensor, freeze_first: int) -> S
                             device=model_device(edge.model))
         init = [(empty, empty)] * edge.num_layers
     return Student(init, ids.numel(), freeze_first=min(freeze_first, ids.numel()))
+
+
+def warm_prefix(start_from: SharedPrefix, tokens: int, freeze_first: int) -> tuple[torch.Tensor, Student]:
+    """(its K token ids, the trainable prefix at step 0) of a warm start: a trained prefix's KV as it ships, so
+    a run on other prompts goes on from where that one ended."""
+    if start_from.tokens != tokens:
+        raise EdgeKVError(f"--shared-start {start_from.path} holds K = {start_from.tokens} tokens, --shared-tokens "
+                          f"says {tokens}")
+    ids = torch.tensor(start_from.manifest["system_prompt"]["token_ids"], dtype=torch.long)
+    layers = [start_from.prefix.layer(i) for i in range(start_from.prefix.num_layers)]
+    return ids, Student(layers, tokens, freeze_first=min(freeze_first, tokens))
 
 
 def prompts_hash(prompts: list[tuple[str, str]]) -> str:
@@ -241,8 +252,12 @@ def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel | None, prompts: lis
             raise EdgeKVError(f"{name}: no usable exchanges to train the shared prefix on")
     for p, more in replies.items():
         sets[p] += more
-    first = init_ids(edge, cfg.shared_init, cfg.shared_tokens)
-    student = initial_prefix(edge, first, cfg.freeze_first)
+    start_from = SharedPrefix(cfg.shared_start, edge) if cfg.shared_start else None
+    if start_from is None:
+        first = init_ids(edge, cfg.shared_init, cfg.shared_tokens)
+        student = initial_prefix(edge, first, cfg.freeze_first)
+    else:
+        first, student = warm_prefix(start_from, cfg.shared_tokens, cfg.freeze_first)
 
     def loss(step: int) -> torch.Tensor:
         p = train_idx[example_index(step, len(train_idx), cfg.seed)]
@@ -290,7 +305,7 @@ def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel | None, prompts: lis
             "grad_through_prompt": cfg.grad_through_prompt, "init_text": cfg.shared_init, "seed": cfg.seed,
             "reply_sources": cfg.reply_sources, "reply_weight": cfg.reply_weight,
             "reply_step_weight": cfg.reply_step_weight,
-            **changed(cfg, "keep"),
+            **changed(cfg, "keep"), **({"started_from": start_from.describe()} if start_from else {}),
             "reply_samples": sum(map(len, replies.values()))}
     path = write_shared_prefix(out / "prefix", edge, student.kv(), first, info, cfg.quant)
     report = {"out": str(path), "shared_prefix": info, "teach_s": teach_s, "train_s": train_s,
