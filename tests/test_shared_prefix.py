@@ -909,6 +909,7 @@ def test_a_warm_start_goes_on_from_where_a_trained_prefix_ended(pair, prompts, t
         assert not torch.equal(b.prefix.layer(i)[0], start.prefix.layer(i)[0])
     with pytest.raises(EdgeKVError, match="holds K = 6 tokens, --shared-tokens says 4"):
         run_distill(_cfg(tmp_path / "m", prompts, shared_tokens=4, shared_start=done["out"]), models=(cloud, edge))
+    assert not (tmp_path / "m" / "s" / "synthetic").exists()  # refused before the teacher read a prompt
     with pytest.raises(EdgeKVError, match="--shared-start is where --train-shared starts from"):
         _cfg(tmp_path / "n", prompts, train_shared=False, shared_start=done["out"]).validate()
 

@@ -78,15 +78,12 @@ def initial_prefix(edge: LoadedModel, ids: torch.Tensor, freeze_first: int) -> S
     return Student(init, ids.numel(), freeze_first=min(freeze_first, ids.numel()))
 
 
-def warm_prefix(start_from: SharedPrefix, tokens: int, freeze_first: int) -> tuple[torch.Tensor, Student]:
+def warm_prefix(start_from: SharedPrefix, freeze_first: int) -> tuple[torch.Tensor, Student]:
     """(its K token ids, the trainable prefix at step 0) of a warm start: a trained prefix's KV as it ships, so
     a run on other prompts goes on from where that one ended."""
-    if start_from.tokens != tokens:
-        raise EdgeKVError(f"--shared-start {start_from.path} holds K = {start_from.tokens} tokens, --shared-tokens "
-                          f"says {tokens}")
     ids = torch.tensor(start_from.manifest["system_prompt"]["token_ids"], dtype=torch.long)
     layers = [start_from.prefix.layer(i) for i in range(start_from.prefix.num_layers)]
-    return ids, Student(layers, tokens, freeze_first=min(freeze_first, tokens))
+    return ids, Student(layers, start_from.tokens, freeze_first=min(freeze_first, start_from.tokens))
 
 
 def prompts_hash(prompts: list[tuple[str, str]]) -> str:
@@ -211,6 +208,10 @@ def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel | None, prompts: lis
     if len(prompts) < cfg.held_prompts + 1:
         raise EdgeKVError(f"--train-shared needs more than --held-prompts ({cfg.held_prompts}) training prompts, "
                           f"got {len(prompts)}")
+    start_from = SharedPrefix(cfg.shared_start, edge) if cfg.shared_start else None  # checked before any teacher work
+    if start_from is not None and start_from.tokens != cfg.shared_tokens:
+        raise EdgeKVError(f"--shared-start {start_from.path} holds K = {start_from.tokens} tokens, --shared-tokens "
+                          f"says {cfg.shared_tokens}")
     ids = []
     for name, text in prompts:
         t = torch.tensor(edge.tokenizer(text, add_special_tokens=True)["input_ids"], dtype=torch.long)
@@ -252,12 +253,11 @@ def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel | None, prompts: lis
             raise EdgeKVError(f"{name}: no usable exchanges to train the shared prefix on")
     for p, more in replies.items():
         sets[p] += more
-    start_from = SharedPrefix(cfg.shared_start, edge) if cfg.shared_start else None
     if start_from is None:
         first = init_ids(edge, cfg.shared_init, cfg.shared_tokens)
         student = initial_prefix(edge, first, cfg.freeze_first)
     else:
-        first, student = warm_prefix(start_from, cfg.shared_tokens, cfg.freeze_first)
+        first, student = warm_prefix(start_from, cfg.freeze_first)
 
     def loss(step: int) -> torch.Tensor:
         p = train_idx[example_index(step, len(train_idx), cfg.seed)]
