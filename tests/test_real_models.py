@@ -69,7 +69,7 @@ def test_compress_on_the_default_pair_and_reload(tmp_path):
 
 def test_the_shipped_shared_prefix_loads_for_the_default_edge_and_is_trained_in_every_token():
     """prefixes/default-k32 (issue 37): a verified shared-prefix export of the default edge, K = 32, trained with no
-    frozen sink (`freeze_first: 0`, configs/distill-shared-news-replies-400-last.yaml): every token, the first one
+    frozen sink (`freeze_first: 0`, configs/distill-shared-no-mmlu.yaml): every token, the first one
     included, has moved away from the edge's own KV of its init text, the state training starts from."""
     import torch
 

@@ -88,14 +88,14 @@ def test_shipped_shared_prefix_configs_load():
 
 
 def test_the_shipped_shared_prefix_is_what_its_config_trains():
-    """prefixes/default-k32's manifest records the recipe of configs/distill-shared-news-replies-400-last.yaml
+    """prefixes/default-k32's manifest records the recipe of configs/distill-shared-no-mmlu.yaml
     (targets, replies, K, sink freeze, optimiser, seed, init text, the state kept, the training prompts' hash): the file
     states the recipe the shipped prefix was trained with."""
     from edgekv.distill.distill_job import DistillConfig
     from edgekv.distill.shared import prompts_hash
     from edgekv.texts import read_prompts
 
-    cfg = load_config(DistillConfig, "distill", ROOT / "configs/distill-shared-news-replies-400-last.yaml", {})
+    cfg = load_config(DistillConfig, "distill", ROOT / "configs/distill-shared-no-mmlu.yaml", {})
     info = json.loads((ROOT / "prefixes/default-k32/manifest.json").read_text(encoding="utf-8"))["shared_prefix"]
     assert info["prompts_sha256"] == prompts_hash(read_prompts(ROOT / cfg.prompts))
     assert info["steps"] <= cfg.steps and info["targets"] == cfg.shared_targets and info["teacher"] == cfg.teacher
