@@ -409,6 +409,50 @@ def test_eval_edgeprompt_shared(pair, tiny_models, prompts, tmp_path):
             assert r["ref_nll"] != by[("edgeprompt", i)]["ref_nll"]
 
 
+def test_a_training_prompts_name_says_which_eval_record_it_read():
+    """The names `bench.shared_prefix_prompts` gives training prompts map to the eval records they were made from: an
+    MMLU subject's dev prompt and its test shots both to the subject, which every question of it shares."""
+    from edgekv.eval.datasets import Request, record_of_request, record_of_training_prompt
+
+    assert record_of_training_prompt("mmlu-high_school_physics") == ("mmlu", "high_school_physics")
+    assert record_of_training_prompt("mmlu-test-high_school_physics-2") == ("mmlu", "high_school_physics")
+    assert record_of_training_prompt("xsum-34019374") == ("xsum", "34019374")
+    assert record_of_training_prompt("sharegpt-Y9mbtnD_19") == ("sharegpt", "Y9mbtnD_19")
+    assert record_of_training_prompt("news-lee-3") is None and record_of_training_prompt("p0") is None
+    ask = lambda dataset, i: record_of_request(Request(i, dataset, "s", "u", "r"))  # noqa: E731
+    assert ask("mmlu", "high_school_physics-731") == ("mmlu", "high_school_physics")
+    assert ask("xsum", "34019374") == ("xsum", "34019374")
+    assert ask("sharegpt", "Y9mbtnD_19") == ("sharegpt", "Y9mbtnD_19")
+
+
+def test_eval_refuses_a_prefix_on_a_record_it_trained_on(pair, tiny_models, prompts, tmp_path):
+    """A shared prefix scored on a request whose record its training read (held-out prompts included) is refused
+    before any forward, with one line naming both; the same prefix on records it never read runs."""
+    from edgekv.eval.eval_config import EvalConfig
+    from edgekv.eval.eval_job import run_eval
+
+    cloud, edge = pair
+    lines = prompts.read_text().splitlines()
+    named = tmp_path / "named.jsonl"  # the last prompt made from XSum record "1", as the prompt builder names it
+    named.write_text("\n".join([*lines[:-1], json.dumps({**json.loads(lines[-1]), "name": "xsum-1"})]) + "\n")
+    shared = run_distill(_cfg(tmp_path / "t", named, steps=2), models=(cloud, edge))["shared"]["out"]
+    xsum = tmp_path / "xsum.jsonl"
+    xsum.write_text("".join(json.dumps({"id": str(i), "document": f"A council approved a cycle lane, item {i}. " * 3,
+                                        "summary": f"A lane, item {i}."}) + "\n" for i in range(3)))
+    cfg = dict(cloud=tiny_models["cloud"], edge=tiny_models["edge"], dtype="float32", max_new_tokens=2,
+               datasets=["xsum"], xsum_source=str(xsum), min_system_tokens=8, shared=shared,
+               strategies=["edgeprompt", "edgeprompt-shared"])
+    with pytest.raises(EdgeKVError, match=r"xsum request 1: the shared prefix .* trained on its record \(xsum-1\)"):
+        run_eval(EvalConfig(**cfg, out=str(tmp_path / "bad"), limit=3), models=(cloud, edge))
+    assert not (tmp_path / "bad" / "results.jsonl").exists()
+    held = EvalConfig(**cfg, out=str(tmp_path / "ok"), limit=3, xsum_records=1)  # record 0 only
+    run_eval(held, models=(cloud, edge))
+    assert {json.loads(r)["id"] for r in (tmp_path / "ok" / "results.jsonl").read_text().splitlines()} == {"0"}
+    only_edgeprompt = EvalConfig(**{**cfg, "strategies": ["edgeprompt"]}, out=str(tmp_path / "ep"), limit=3)
+    only_edgeprompt.validate()  # no strategy reads the prefix: nothing to check
+    run_eval(only_edgeprompt, models=(cloud, edge))
+
+
 def test_serve_edge_batch_under_the_prefix(pair, tiny_models, prompts, tmp_path):
     cloud, edge = pair
     shared = run_distill(_cfg(tmp_path / "t", prompts, steps=2), models=(cloud, edge))["shared"]["out"]

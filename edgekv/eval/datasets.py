@@ -146,6 +146,22 @@ def sharegpt(source: str | None = None, offset: int = 5000, scan: int = 3000) ->
     return out
 
 
+def record_of_request(req: Request) -> tuple[str, str]:
+    """The eval record a request is drawn from: (dataset, id); MMLU's is its subject, whose dev prompt is the
+    system prompt every question of it shares."""
+    return (req.dataset, req.id.rsplit("-", 1)[0]) if req.dataset == "mmlu" else (req.dataset, req.id)
+
+
+def record_of_training_prompt(name: str) -> tuple[str, str] | None:
+    """The eval record a shared prefix's training prompt was made from, read from its name as
+    `bench.shared_prefix_prompts` writes it (`xsum-ID`, `sharegpt-ID`, `mmlu-SUBJECT`, `mmlu-test-SUBJECT-K`: shots of
+    that subject's test questions); None for a source no eval draws (news)."""
+    source, _, rest = name.partition("-")
+    if source == "mmlu":
+        return ("mmlu", rest.removeprefix("test-").rsplit("-", 1)[0] if rest.startswith("test-") else rest)
+    return (source, rest) if source in DATASETS and rest else None
+
+
 def load_requests(name: str, tokenizer, limit: int, seed: int = 0, source: str | None = None,
                   max_system_tokens: int = 512, min_system_tokens: int = 32, max_user_tokens: int = 192,
                   mmlu_subjects: int = 4, sharegpt_offset: int = 5000,

@@ -26,12 +26,13 @@ from pathlib import Path
 from edgekv import EdgeKVError
 from edgekv.atomic import write_text_atomic
 from edgekv.eval.artefacts import Artefacts
-from edgekv.eval.datasets import Request
+from edgekv.eval.datasets import Request, record_of_request, record_of_training_prompt
 from edgekv.eval.eval_config import EvalConfig, eval_requests
 from edgekv.eval.load_runs import load_curves, reusable_load
 from edgekv.eval.report import write_report
 from edgekv.eval.runs import canonical, check_resumable, in_shard, merge_runs, read_results, run_settings
 from edgekv.eval.scoring import Scorer, answer_row
+from edgekv.eval.strategies import parse_strategy
 from edgekv.models.loading import load_pair
 from edgekv.models.structure import check_context
 from edgekv.progress import Tasks
@@ -49,6 +50,20 @@ def check_lengths(requests: list[Request], a: Artefacts, cfg: EvalConfig) -> Non
             "input_ids"]) + tail
         for m in (a.cloud, a.edge):
             check_context(m.model.config, n, f"{req.id}: system + user prompt + {tail} continuation tokens")
+
+
+def check_held_out(requests: list[Request], a: Artefacts, cfg: EvalConfig) -> None:
+    """Before any forward: no request comes from a record a shared prefix of the run trained on (an XSum document,
+    a conversation, an MMLU subject's dev prompt or test shots), else one line naming both: its gain there would be
+    memory, not transfer."""
+    paths = {getattr(cfg, s.prefix_setting) for s in map(parse_strategy, cfg.strategies)
+             if getattr(s, "prefix_setting", None) and getattr(cfg, s.prefix_setting)}
+    for path in sorted(paths):
+        seen = {record_of_training_prompt(n): n for n in a.shared_prefix(path).trained_on()}
+        for req in requests:
+            if (name := seen.get(record_of_request(req))) is not None:
+                raise EdgeKVError(f"{req.dataset} request {req.id}: the shared prefix {path} trained on its record "
+                                  f"({name}); evaluate a prefix on records its training never read")
 
 
 class ShardWorker:
@@ -100,6 +115,7 @@ def run_eval(cfg: EvalConfig, progress=None, models=None) -> dict:
     requests = {d: eval_requests(cfg, d, artefacts.edge.tokenizer) for d in cfg.datasets}
     for d in cfg.datasets:
         check_lengths(requests[d], artefacts, cfg)
+        check_held_out(requests[d], artefacts, cfg)
     results = out / "results.jsonl"
     rows = read_results(results)
     if rows:  # rewrite without a torn line, so appends start on a fresh line

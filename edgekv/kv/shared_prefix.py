@@ -77,6 +77,10 @@ class SharedPrefix:
         self.prefix = PrefixKV(layers, self.tokens)
         self.nbytes = sum(e.get("bytes", 0) for e in m["layers"])
 
+    def trained_on(self) -> list[str]:
+        """The names of the prompts its training read, the held-out ones included (early stopping read them)."""
+        return [*self.info.get("train_prompts", []), *self.info.get("held_out_prompts", [])]
+
     def describe(self) -> dict:
         """What a manifest or report records of the prefix it was made under."""
         return {"path": self.path, "fingerprint": self.fingerprint, "tokens": self.tokens}
