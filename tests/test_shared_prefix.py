@@ -436,6 +436,9 @@ def test_eval_refuses_a_prefix_on_a_record_it_trained_on(pair, tiny_models, prom
     named = tmp_path / "named.jsonl"  # the last prompt made from XSum record "1", as the prompt builder names it
     named.write_text("\n".join([*lines[:-1], json.dumps({**json.loads(lines[-1]), "name": "xsum-1"})]) + "\n")
     shared = run_distill(_cfg(tmp_path / "t", named, steps=2), models=(cloud, edge))["shared"]["out"]
+    # every prompt its training read, the 2 held out for early stopping included
+    assert sorted(SharedPrefix(shared, edge).trained_on()) == sorted(json.loads(line)["name"]
+                                                                     for line in named.read_text().splitlines())
     xsum = tmp_path / "xsum.jsonl"
     xsum.write_text("".join(json.dumps({"id": str(i), "document": f"A council approved a cycle lane, item {i}. " * 3,
                                         "summary": f"A lane, item {i}."}) + "\n" for i in range(3)))
