@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 from edgekv.atomic import write_text_atomic
-from edgekv.eval.datasets import ROOT, load_requests, mmlu, mmlu_system, truncate_prompt
+from edgekv.eval.datasets import ROOT, load_requests, mmlu, mmlu_system, record_of_request, truncate_prompt
 from edgekv.models.loading import load_tokenizer
 from edgekv.texts import jsonl_records, read_text
 
@@ -85,10 +85,10 @@ def training_prompts(tok, per_source: int, sources: list[str], seed: int = 0, ne
         lists["sharegpt"] = [(r.id, r.system, [label(r)]) for r in load_requests("sharegpt", tok, 10_000, seed,
                                                                                  None, **EVAL, sharegpt_offset=8000)]
     if "mmlu" in sources:  # the eval draws 4 subjects with its seed (0); their system prompts are never trained on
-        taken = {r.id.rsplit("-", 1)[0] for r in pool if r.dataset == "mmlu"}
+        taken = {record_of_request(r)[1] for r in pool if r.dataset == "mmlu"}
         by_subject: dict[str, tuple] = {}
         for r in mmlu():
-            subject = r.id.rsplit("-", 1)[0]
+            subject = record_of_request(r)[1]
             if subject not in taken:
                 entry = by_subject.setdefault(subject, (subject, r.system, []))
                 if len(entry[2]) < 5:

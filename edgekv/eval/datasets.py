@@ -178,9 +178,9 @@ def load_requests(name: str, tokenizer, limit: int, seed: int = 0, source: str |
         rows = rows[xsum_from:xsum_records]
     rng = random.Random(seed)
     if name == "mmlu" and mmlu_subjects:
-        subjects = sorted({r.id.rsplit("-", 1)[0] for r in rows})
+        subjects = sorted({record_of_request(r)[1] for r in rows})
         chosen = set(rng.sample(subjects, min(mmlu_subjects, len(subjects))))
-        rows = [r for r in rows if r.id.rsplit("-", 1)[0] in chosen]
+        rows = [r for r in rows if record_of_request(r)[1] in chosen]
     rng.shuffle(rows)
     out = []
     for r in rows:

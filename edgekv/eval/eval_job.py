@@ -115,7 +115,7 @@ def run_eval(cfg: EvalConfig, progress=None, models=None) -> dict:
     requests = {d: eval_requests(cfg, d, artefacts.edge.tokenizer) for d in cfg.datasets}
     for d in cfg.datasets:
         check_lengths(requests[d], artefacts, cfg)
-        check_held_out(requests[d], artefacts, cfg)
+    check_held_out([r for d in cfg.datasets for r in requests[d]], artefacts, cfg)
     results = out / "results.jsonl"
     rows = read_results(results)
     if rows:  # rewrite without a torn line, so appends start on a fresh line
