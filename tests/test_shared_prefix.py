@@ -836,6 +836,11 @@ def test_replies_train_beside_the_text_only_for_named_sources(pair, prompts, tmp
                         models=(cloud, edge))["shared"]
     assert again["targets_read_back"] == 2 * len(TOPICS) - len(held)
     assert again["log"][-1]["held_out_kl"] == named["log"][-1]["held_out_kl"]
+    # replies cut shorter are new targets beside the kept ones (only the text is read back), and the manifest says so
+    short = run_distill(_cfg(tmp_path / "r3", prompts, reply_sources=["p0", "p1", "p2", "p3", "p4", "p5"],
+                             label_tokens=2, **kw), models=(cloud, edge))["shared"]
+    assert short["targets_read_back"] == len(TOPICS)
+    assert short["shared_prefix"]["label_tokens"] == 2 and "label_tokens" not in info
     with pytest.raises(EdgeKVError, match="adds replies to text targets"):
         _cfg(tmp_path / "b", prompts, shared_targets="teacher", reply_sources=["sharegpt"]).validate()
 

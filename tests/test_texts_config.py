@@ -105,6 +105,7 @@ def test_the_shipped_shared_prefix_is_what_its_config_trains():
     assert {k: info[k] for k in recipe} == {k: getattr(cfg, setting.get(k, k)) for k in recipe}
     assert info.get("lr_schedule", "constant") == cfg.lr_schedule  # recorded only when not constant
     assert info.get("lr_decay_from", 0) == cfg.lr_decay_from
+    assert info.get("label_tokens", 64) == cfg.label_tokens  # a reply's tokens learnt; recorded when not 64
     assert info.get("keep", "best") == cfg.keep == "last" and info["best_step"] == info["steps"] == cfg.steps
 
 

@@ -305,7 +305,7 @@ def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel | None, prompts: lis
             "grad_through_prompt": cfg.grad_through_prompt, "init_text": cfg.shared_init, "seed": cfg.seed,
             "reply_sources": cfg.reply_sources, "reply_weight": cfg.reply_weight,
             "reply_step_weight": cfg.reply_step_weight,
-            **changed(cfg, "keep"), **({"started_from": start_from.describe()} if start_from else {}),
+            **changed(cfg, "keep", "label_tokens"), **({"started_from": start_from.describe()} if start_from else {}),
             "reply_samples": sum(map(len, replies.values()))}
     path = write_shared_prefix(out / "prefix", edge, student.kv(), first, info, cfg.quant)
     report = {"out": str(path), "shared_prefix": info, "teach_s": teach_s, "train_s": train_s,
