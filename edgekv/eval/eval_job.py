@@ -32,7 +32,7 @@ from edgekv.eval.load_runs import load_curves, reusable_load
 from edgekv.eval.report import write_report
 from edgekv.eval.runs import canonical, check_resumable, in_shard, merge_runs, read_results, run_settings
 from edgekv.eval.scoring import Scorer, answer_row
-from edgekv.eval.strategies import parse_strategy
+from edgekv.eval.strategies import KVStrategy, parse_strategy
 from edgekv.models.loading import load_pair
 from edgekv.models.structure import check_context
 from edgekv.progress import Tasks
@@ -56,8 +56,7 @@ def check_held_out(requests: list[Request], a: Artefacts, cfg: EvalConfig) -> No
     """Before any forward: no request comes from a record a shared prefix of the run trained on (an XSum document,
     a conversation, an MMLU subject's dev prompt or test shots), else one line naming both: its gain there would be
     memory, not transfer."""
-    paths = {getattr(cfg, s.prefix_setting) for s in map(parse_strategy, cfg.strategies)
-             if getattr(s, "prefix_setting", None) and getattr(cfg, s.prefix_setting)}
+    paths = {p for s in map(parse_strategy, cfg.strategies) if isinstance(s, KVStrategy) and (p := s.shared_path(a))}
     for path in sorted(paths):
         seen = {record_of_training_prompt(n): n for n in a.shared_prefix(path).trained_on()}
         for req in requests:
