@@ -6,6 +6,7 @@ import re
 import shutil
 import statistics
 import warnings
+from collections import Counter
 
 import pytest
 from typer.testing import CliRunner
@@ -304,9 +305,24 @@ def test_shards_merged_equal_one_run(evaluated, tiny_models, data, align_dir, tm
     out, _ = evaluated
     for i in (1, 2):
         run_eval(_cfg(tiny_models, data, align_dir, tmp_path / f"s{i}", strategies=STRATEGIES, shard=f"{i}/2"))
-    assert len(read_results(tmp_path / "s1" / "results.jsonl")) == 3 * len(STRATEGIES)  # one of 2 per dataset
+    # XSum's 2 requests have a system prompt each: one per shard; MMLU's 2 share their subject's and ShareGPT's 2
+    # the fixture's first turns: both in shard 1
+    ids = [{(r["dataset"], r["id"]) for r in read_results(tmp_path / f"s{i}" / "results.jsonl")} for i in (1, 2)]
+    assert [sorted(Counter(d for d, _ in x).items()) for x in ids] == [[("mmlu", 2), ("sharegpt", 2), ("xsum", 1)],
+                                                                       [("xsum", 1)]]
     merge_runs([tmp_path / "s2", tmp_path / "s1"], tmp_path / "merged")
     _same_report(out, tmp_path / "merged")
+
+
+def test_a_system_prompts_requests_share_a_shard_and_run_together():
+    """`prompt_groups` ranks system prompts by first appearance; a shard takes whole groups, every request once."""
+    from edgekv.eval.runs import in_shard, prompt_groups
+
+    groups = prompt_groups(["a", "b", "a", "c", "b", "a", "d"])
+    assert groups == [0, 1, 0, 2, 1, 0, 3]
+    shards = [[k for k, g in enumerate(groups) if in_shard(g, f"{i}/2")] for i in (1, 2)]
+    assert shards == [[0, 2, 3, 5], [1, 4, 6]]
+    assert all(in_shard(g, None) for g in groups)
 
 
 def _same_report(out, merged_dir):

@@ -46,7 +46,7 @@ class EvalConfig(ModelSettings):
     limit: int = setting(20, "Requests per dataset.")
     seed: int = seed_setting("Sampling seed of the requests.")
     shard: str | None = setting(
-        None, "i/n: answer every n-th request from the i-th (merge the shards with `edgekv report`).")
+        None, "i/n: answer every n-th system prompt's requests from the i-th (merge the shards with `edgekv report`).")
     xsum_source: str | None = None  # local .jsonl or hub id (EdinburghNLP/xsum); None: data/xsum sample
     xsum_records: int | None = 107  # draw from the first N records only: later ones train the shipped fuser
     xsum_from: int = 0  # … and from this record on (a tuning sample outside the eval's: 107 with records None)

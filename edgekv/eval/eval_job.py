@@ -12,8 +12,9 @@ ships the cloud KV of a trained fuser's open layers and the edge fuses it with i
 overrides its ThinK ratio and codec: the quality-per-byte sweep; the cloud-side KV of one system prompt is computed
 once for all such variants of a strategy.
 
-`--shard i/n` runs every n-th request (deterministic, by position in the seeded sample); `merge_runs` joins the
-shards' rows into one report and refuses shards made with other settings.
+Requests are answered one system prompt at a time (`prompt_groups`), and `--shard i/n` runs every n-th system
+prompt's requests (deterministic, by first appearance in the seeded sample); `merge_runs` joins the shards' rows into
+one report and refuses shards made with other settings.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from edgekv.eval.datasets import Request, record_of_request, record_of_training_
 from edgekv.eval.eval_config import EvalConfig, eval_requests
 from edgekv.eval.load_runs import load_curves, reusable_load
 from edgekv.eval.report import write_report
-from edgekv.eval.runs import canonical, check_resumable, in_shard, merge_runs, read_results, run_settings
+from edgekv.eval.runs import canonical, check_resumable, in_shard, merge_runs, prompt_groups, read_results, run_settings
 from edgekv.eval.scoring import Scorer, answer_row
 from edgekv.eval.strategies import KVStrategy, parse_strategy
 from edgekv.models.loading import load_pair
@@ -120,8 +121,10 @@ def run_eval(cfg: EvalConfig, progress=None, models=None) -> dict:
     if rows:  # rewrite without a torn line, so appends start on a fresh line
         write_text_atomic(results, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     done = {(r["dataset"], r["strategy"], r["id"]) for r in rows}
-    todo = [(d, s, k, r) for d in cfg.datasets for k, r in enumerate(requests[d]) if in_shard(k, cfg.shard)
-            for s in cfg.strategies if (d, s, r.id) not in done]
+    groups = {d: prompt_groups([r.system for r in requests[d]]) for d in cfg.datasets}
+    todo = [(d, s, k, requests[d][k]) for d in cfg.datasets
+            for k in sorted(range(len(requests[d])), key=lambda k: (groups[d][k], k))  # a prompt's requests together
+            if in_shard(groups[d][k], cfg.shard) for s in cfg.strategies if (d, s, requests[d][k].id) not in done]
     advance = tasks.task(f"eval ({len(done)} done before)", len(todo))
     with results.open("a", encoding="utf-8") as f:
         for dataset, strategy, index, req in todo:
@@ -131,7 +134,7 @@ def run_eval(cfg: EvalConfig, progress=None, models=None) -> dict:
             rows.append(row)
             advance()
     order = {(d, r.id): (i, k) for i, d in enumerate(cfg.datasets) for k, r in enumerate(requests[d])
-             if in_shard(k, cfg.shard)}
+             if in_shard(groups[d][k], cfg.shard)}
     rows = canonical([r for r in rows if (r["dataset"], r["id"]) in order and r["strategy"] in cfg.strategies],
                      order, cfg.strategies)
     load = load_curves(artefacts, requests[cfg.load_dataset], tasks, earlier_load) if cfg.load_rates else []

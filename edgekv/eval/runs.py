@@ -27,12 +27,21 @@ def parse_shard(shard: str) -> tuple[int, int]:
     return i, n
 
 
-def in_shard(index: int, shard: str | None) -> bool:
-    """Whether the request at this position of its dataset's sample belongs to the shard."""
+def in_shard(group: int, shard: str | None) -> bool:
+    """Whether the requests of this system-prompt group (`prompt_groups`) belong to the shard."""
     if shard is None:
         return True
     i, n = parse_shard(shard)
-    return index % n == i - 1
+    return group % n == i - 1
+
+
+def prompt_groups(systems: list[str]) -> list[int]:
+    """Each request's group: its system prompt's rank among the sample's distinct system prompts, by first
+    appearance. Shards and the answering order go by group, so a per-prompt export (a distillation, minutes) is made
+    in one shard only, and a run stopped between groups leaves no prompt's export half-used (MMLU's questions share
+    their subject's prompt)."""
+    rank: dict[str, int] = {}
+    return [rank.setdefault(s, len(rank)) for s in systems]
 
 
 def read_results(path: Path) -> list[dict]:
