@@ -20,7 +20,15 @@ from collections import Counter
 from pathlib import Path
 
 from edgekv.atomic import write_text_atomic
-from edgekv.eval.datasets import ROOT, load_requests, mmlu, mmlu_system, record_of_request, truncate_prompt
+from edgekv.eval.datasets import (
+    ROOT,
+    load_requests,
+    mmlu,
+    mmlu_system,
+    record_of_request,
+    training_prompt_name,
+    truncate_prompt,
+)
 from edgekv.models.loading import load_tokenizer
 from edgekv.texts import jsonl_records, read_text
 
@@ -107,7 +115,7 @@ def training_prompts(tok, per_source: int, sources: list[str], seed: int = 0, ne
         for source, rows in lists.items():
             if k < len(rows):
                 name, system, labels = rows[k]
-                out.append({"name": f"{source}-{name}",
+                out.append({"name": training_prompt_name(source, name),
                             "system_prompt": system, "source": source.removesuffix("-test"), "labels": labels})
     return out
 

@@ -152,10 +152,16 @@ def record_of_request(req: Request) -> tuple[str, str]:
     return (req.dataset, req.id.rsplit("-", 1)[0]) if req.dataset == "mmlu" else (req.dataset, req.id)
 
 
+def training_prompt_name(source: str, record: str) -> str:
+    """A shared prefix's training prompt's name (`bench.shared_prefix_prompts`): its source and the record it was
+    made from, which `record_of_training_prompt` reads back."""
+    return f"{source}-{record}"
+
+
 def record_of_training_prompt(name: str) -> tuple[str, str] | None:
-    """The eval record a shared prefix's training prompt was made from, read from its name as
-    `bench.shared_prefix_prompts` writes it (`xsum-ID`, `sharegpt-ID`, `mmlu-SUBJECT`, `mmlu-test-SUBJECT-K`: shots of
-    that subject's test questions); None for a source no eval draws (news)."""
+    """The eval record a shared prefix's training prompt was made from, read from its `training_prompt_name`
+    (`xsum-ID`, `sharegpt-ID`, `mmlu-SUBJECT`, `mmlu-test-SUBJECT-K`: shots of that subject's test questions); None
+    for a source no eval draws (news)."""
     source, _, rest = name.partition("-")
     if source == "mmlu":
         return ("mmlu", rest.removeprefix("test-").rsplit("-", 1)[0] if rest.startswith("test-") else rest)
