@@ -16,6 +16,7 @@ from pathlib import Path
 
 from edgekv import EdgeKVError
 from edgekv.atomic import write_text_atomic
+from edgekv.eval.datasets import record_of_request
 from edgekv.eval.runs import read_results
 from edgekv.eval.stats import cell_seed, gap_closed, paired_bootstrap
 from edgekv.plots import interval_plot
@@ -46,12 +47,20 @@ DISTILL = Spec(CONDITIONS, CONTRASTS, {f"gap_closed_by_{c}": c for c in ("distil
 
 
 def _paired(rows: list[dict], a: str, b: str, seed: int, *names: str) -> dict | None:
+    """a − b over the requests (of one source) both answered; where some of them share a system prompt (MMLU's
+    subjects), also the interval that resamples whole prompts (`delta_ci95_by_prompt`)."""
     by = {(r["strategy"], r["id"]): r.get("ref_nll") for r in rows}
     ids = sorted({r["id"] for r in rows if r["strategy"] == a} & {r["id"] for r in rows if r["strategy"] == b})
     if not ids:
         return None
-    d = paired_bootstrap([by[(a, i)] for i in ids], [by[(b, i)] for i in ids], cell_seed(seed, *names))
-    return {"n": d["n"], "delta_mean": d["delta_mean"], "delta_ci95": [d["ci95_lo"], d["ci95_hi"]]}
+    pairs = [by[(a, i)] for i in ids], [by[(b, i)] for i in ids]
+    d = paired_bootstrap(*pairs, cell_seed(seed, *names))
+    cell = {"n": d["n"], "delta_mean": d["delta_mean"], "delta_ci95": [d["ci95_lo"], d["ci95_hi"]]}
+    prompts = [record_of_request(rows[0]["dataset"], i)[1] for i in ids]
+    if len(set(prompts)) < len(prompts):
+        c = paired_bootstrap(*pairs, cell_seed(seed, *names), clusters=prompts)
+        cell["delta_ci95_by_prompt"] = [c["ci95_lo"], c["ci95_hi"]]
+    return cell
 
 
 def common_gap(nll: dict[tuple[str, str], float | None], start: str, method: str, ceiling: str,

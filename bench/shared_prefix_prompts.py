@@ -93,10 +93,10 @@ def training_prompts(tok, per_source: int, sources: list[str], seed: int = 0, ne
         lists["sharegpt"] = [(r.id, r.system, [label(r)]) for r in load_requests("sharegpt", tok, 10_000, seed,
                                                                                  None, **EVAL, sharegpt_offset=8000)]
     if "mmlu" in sources:  # the eval draws 4 subjects with its seed (0); their system prompts are never trained on
-        taken = {record_of_request(r)[1] for r in pool if r.dataset == "mmlu"}
+        taken = {record_of_request(r.dataset, r.id)[1] for r in pool if r.dataset == "mmlu"}
         by_subject: dict[str, tuple] = {}
         for r in mmlu():
-            subject = record_of_request(r)[1]
+            subject = record_of_request(r.dataset, r.id)[1]
             if subject not in taken:
                 entry = by_subject.setdefault(subject, (subject, r.system, []))
                 if len(entry[2]) < 5:

@@ -520,6 +520,28 @@ def test_distilled_strategies_run_and_truncate_is_edgeprompt_of_the_head(tiny_mo
     assert (out / "results.jsonl").read_text() == before
 
 
+def test_a_clustered_interval_resamples_whole_system_prompts():
+    """`clustered_mean_ci` draws whole clusters: one value each is the plain interval; equal-sized clusters are the
+    plain interval of their means; requests that repeat their prompt's value add no information (wider)."""
+    import numpy as np
+
+    from edgekv.eval.stats import bootstrap_ci, clustered_mean_ci, paired_bootstrap
+
+    rng = np.random.default_rng(0)
+    x = list(rng.normal(size=30))
+    assert clustered_mean_ci(x, [str(k) for k in range(30)], seed=5) == pytest.approx(bootstrap_ci(x, seed=5))
+    means = list(rng.normal(size=6))
+    y, prompts = [m for m in means for _ in range(5)], [str(k // 5) for k in range(30)]
+    lo, hi = clustered_mean_ci(y, prompts, seed=1)
+    assert (lo, hi) == pytest.approx(bootstrap_ci(means, seed=1))
+    plain_lo, plain_hi = bootstrap_ci(y, seed=1)
+    assert hi - lo > 1.8 * (plain_hi - plain_lo)  # ≈ √5 wider: 6 draws' worth, not 30
+    assert clustered_mean_ci([1.0, 2.0], ["a", "a"]) == (None, None)
+    # a pair with a missing side leaves with its label
+    d = paired_bootstrap([1.0, None, 3.0, 4.0], [0.0, 0.0, 0.0, 0.0], clusters=["a", "b", "c", "c"])
+    assert d["n"] == 3 and d["delta_mean"] == pytest.approx(8 / 3)
+
+
 def test_distill_summary_pairs_and_gap_closed():
     from bench.distill_report import distill_summary
     from edgekv.eval.stats import gap_closed
@@ -540,6 +562,12 @@ def test_distill_summary_pairs_and_gap_closed():
     assert s["distill - distill-v1"]["delta_mean"] == pytest.approx(-0.3 + 0.025)
     assert s["gap_closed_by_distill-v1"]["fraction"] == pytest.approx(0.2)
     assert s["gap_closed_by_fuse"]["fraction"] == pytest.approx(0.1)
+    assert "delta_ci95_by_prompt" not in s["distill"]  # every XSum request its own prompt
+    # MMLU's questions share their subject's prompt: the interval over subjects beside the one over requests
+    mmlu = [{**r, "dataset": "mmlu", "id": f"subject{int(r['id']) // 2}-{r['id']}"} for r in rows]
+    m = distill_summary(mmlu)["mmlu"]["distill"]
+    assert m["n"] == 6 and m["delta_mean"] == pytest.approx(s["distill"]["delta_mean"])
+    assert len(m["delta_ci95_by_prompt"]) == 2 and m["delta_ci95_by_prompt"] != m["delta_ci95"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no gap: undefined, with neither an error nor a numpy warning
         none = gap_closed([1.0, 2.0], [1.0, 2.0], [1.0, 2.0])

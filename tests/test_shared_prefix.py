@@ -412,7 +412,7 @@ def test_eval_edgeprompt_shared(pair, tiny_models, prompts, tmp_path):
 def test_a_training_prompts_name_says_which_eval_record_it_read():
     """The names `bench.shared_prefix_prompts` gives training prompts map to the eval records they were made from: an
     MMLU subject's dev prompt and its test shots both to the subject, which every question of it shares."""
-    from edgekv.eval.datasets import Request, record_of_request, record_of_training_prompt, training_prompt_name
+    from edgekv.eval.datasets import record_of_request, record_of_training_prompt, training_prompt_name
 
     named = lambda source, record: record_of_training_prompt(training_prompt_name(source, record))  # noqa: E731
     assert training_prompt_name("mmlu", "high_school_physics") == "mmlu-high_school_physics"  # train-*.jsonl's names
@@ -421,10 +421,9 @@ def test_a_training_prompts_name_says_which_eval_record_it_read():
     assert named("xsum", "34019374") == ("xsum", "34019374")
     assert named("sharegpt", "Y9mbtnD_19") == ("sharegpt", "Y9mbtnD_19")
     assert named("news", "lee-3") is None and record_of_training_prompt("p0") is None
-    ask = lambda dataset, i: record_of_request(Request(i, dataset, "s", "u", "r"))  # noqa: E731
-    assert ask("mmlu", "high_school_physics-731") == ("mmlu", "high_school_physics")
-    assert ask("xsum", "34019374") == ("xsum", "34019374")
-    assert ask("sharegpt", "Y9mbtnD_19") == ("sharegpt", "Y9mbtnD_19")
+    assert record_of_request("mmlu", "high_school_physics-731") == ("mmlu", "high_school_physics")
+    assert record_of_request("xsum", "34019374") == ("xsum", "34019374")
+    assert record_of_request("sharegpt", "Y9mbtnD_19") == ("sharegpt", "Y9mbtnD_19")
 
 
 def test_eval_refuses_a_prefix_on_a_record_it_trained_on(pair, tiny_models, prompts, tmp_path):

@@ -146,10 +146,10 @@ def sharegpt(source: str | None = None, offset: int = 5000, scan: int = 3000) ->
     return out
 
 
-def record_of_request(req: Request) -> tuple[str, str]:
-    """The eval record a request is drawn from: (dataset, id); MMLU's is its subject, whose dev prompt is the
-    system prompt every question of it shares."""
-    return (req.dataset, req.id.rsplit("-", 1)[0]) if req.dataset == "mmlu" else (req.dataset, req.id)
+def record_of_request(dataset: str, request_id: str) -> tuple[str, str]:
+    """The eval record a request (its dataset and id) is drawn from: (dataset, id); MMLU's is its subject, whose dev
+    prompt is the system prompt every question of it shares."""
+    return (dataset, request_id.rsplit("-", 1)[0]) if dataset == "mmlu" else (dataset, request_id)
 
 
 def training_prompt_name(source: str, record: str) -> str:
@@ -184,9 +184,9 @@ def load_requests(name: str, tokenizer, limit: int, seed: int = 0, source: str |
         rows = rows[xsum_from:xsum_records]
     rng = random.Random(seed)
     if name == "mmlu" and mmlu_subjects:
-        subjects = sorted({record_of_request(r)[1] for r in rows})
+        subjects = sorted({record_of_request(r.dataset, r.id)[1] for r in rows})
         chosen = set(rng.sample(subjects, min(mmlu_subjects, len(subjects))))
-        rows = [r for r in rows if record_of_request(r)[1] in chosen]
+        rows = [r for r in rows if record_of_request(r.dataset, r.id)[1] in chosen]
     rng.shuffle(rows)
     out = []
     for r in rows:

@@ -61,7 +61,7 @@ def check_held_out(requests: list[Request], a: Artefacts, cfg: EvalConfig) -> No
     for path in sorted(paths):
         seen = {record_of_training_prompt(n): n for n in a.shared_prefix(path).trained_on()}
         for req in requests:
-            if (name := seen.get(record_of_request(req))) is not None:
+            if (name := seen.get(record_of_request(req.dataset, req.id))) is not None:
                 raise EdgeKVError(f"{req.dataset} request {req.id}: the shared prefix {path} trained on its record "
                                   f"({name}); evaluate a prefix on records its training never read")
 

@@ -1,5 +1,5 @@
 """Seeded bootstrap intervals over requests: plain (a cell of Table II) and paired (a difference to a baseline on
-the same requests, so that request difficulty cancels)."""
+the same requests, so that request difficulty cancels), over requests or over the system prompts they share."""
 
 from __future__ import annotations
 
@@ -18,11 +18,34 @@ def cell_seed(seed: int, *names: str) -> int:
     return int.from_bytes(digest[:8], "little")
 
 
-def paired_bootstrap(a: Sequence[float], b: Sequence[float], seed: int = 0,
-                     level: float = 0.95) -> dict[str, float | int | bool | None]:
-    """Mean of a − b over pairs (same request), its bootstrap interval, and whether the interval excludes 0."""
-    d = [x - y for x, y in zip(a, b, strict=True) if x is not None and y is not None]
-    lo, hi = bootstrap_ci(d, "mean", seed, level)
+def clustered_mean_ci(values: Sequence[float], clusters: Sequence[str], seed: int = 0, level: float = 0.95,
+                      samples: int = BOOTSTRAP_SAMPLES) -> tuple[float | None, float | None]:
+    """Percentile bootstrap interval of the mean, resampling whole clusters (one label per value) with replacement;
+    each draw's mean weighs every value of its clusters once. With one value per cluster it is `bootstrap_ci`'s
+    interval; (None, None) for fewer than two clusters."""
+    rank: dict[str, int] = {}
+    which = np.asarray([rank.setdefault(c, len(rank)) for c in clusters], dtype=np.int64)
+    if len(rank) < 2:
+        return None, None
+    sums = np.bincount(which, weights=np.asarray(values, dtype=np.float64), minlength=len(rank))
+    counts = np.bincount(which, minlength=len(rank)).astype(np.float64)
+    pick = np.random.default_rng(seed).integers(0, len(rank), size=(samples, len(rank)))
+    draws = sums[pick].sum(axis=1) / counts[pick].sum(axis=1)
+    alpha = (1 - level) / 2
+    lo, hi = np.quantile(draws, [alpha, 1 - alpha])
+    return float(lo), float(hi)
+
+
+def paired_bootstrap(a: Sequence[float], b: Sequence[float], seed: int = 0, level: float = 0.95,
+                     clusters: Sequence[str] | None = None) -> dict[str, float | int | bool | None]:
+    """Mean of a − b over pairs (same request), its bootstrap interval, and whether the interval excludes 0. With
+    `clusters` (a label per pair), whole clusters are resampled: requests that share a system prompt (an MMLU
+    subject's questions, one per-prompt export) are not independent draws."""
+    labels = clusters if clusters is not None else [""] * len(a)
+    kept = [(x - y, c) for x, y, c in zip(a, b, labels, strict=True) if x is not None and y is not None]
+    d = [v for v, _ in kept]
+    lo, hi = (bootstrap_ci(d, "mean", seed, level) if clusters is None
+              else clustered_mean_ci(d, [c for _, c in kept], seed, level))
     return {"n": len(d), "delta_mean": sum(d) / len(d) if d else None, "ci95_lo": lo, "ci95_hi": hi,
             "excludes_zero": lo is not None and (lo > 0 or hi < 0)}
 
