@@ -421,6 +421,11 @@ def test_a_training_prompts_name_says_which_eval_record_it_read():
     assert named("xsum", "34019374") == ("xsum", "34019374")
     assert named("sharegpt", "Y9mbtnD_19") == ("sharegpt", "Y9mbtnD_19")
     assert named("news", "lee-3") is None and record_of_training_prompt("p0") is None
+    # the names already written in the committed train-*.jsonl files keep reading as before
+    assert record_of_training_prompt("mmlu-test-high_school_physics-2") == ("mmlu", "high_school_physics")
+    assert record_of_training_prompt("xsum-34019374") == ("xsum", "34019374")
+    assert record_of_training_prompt("sharegpt-Y9mbtnD_19") == ("sharegpt", "Y9mbtnD_19")
+    assert record_of_training_prompt("news-lee-3") is None
     assert record_of_request("mmlu", "high_school_physics-731") == ("mmlu", "high_school_physics")
     assert record_of_request("xsum", "34019374") == ("xsum", "34019374")
     assert record_of_request("sharegpt", "Y9mbtnD_19") == ("sharegpt", "Y9mbtnD_19")
