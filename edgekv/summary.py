@@ -48,7 +48,11 @@ def bootstrap_ci(values: Sequence[float], stat: str = "mean", seed: int = 0, lev
     if x.size < 2:
         return None, None
     rng = np.random.default_rng(seed)
-    draws = STATS[stat](x[rng.integers(0, x.size, size=(samples, x.size))])
+    return percentile_interval(STATS[stat](x[rng.integers(0, x.size, size=(samples, x.size))]), level)
+
+
+def percentile_interval(draws: np.ndarray, level: float = 0.95) -> tuple[float, float]:
+    """The central `level` interval of bootstrap draws (their percentiles)."""
     alpha = (1 - level) / 2
     lo, hi = np.quantile(draws, [alpha, 1 - alpha])
     return float(lo), float(hi)

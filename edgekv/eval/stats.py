@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from edgekv.summary import BOOTSTRAP_SAMPLES, bootstrap_ci  # noqa: F401 (re-exported)
+from edgekv.summary import BOOTSTRAP_SAMPLES, bootstrap_ci, percentile_interval  # noqa: F401 (re-exported)
 
 
 def cell_seed(seed: int, *names: str) -> int:
@@ -30,10 +30,7 @@ def clustered_mean_ci(values: Sequence[float], clusters: Sequence[str], seed: in
     sums = np.bincount(which, weights=np.asarray(values, dtype=np.float64), minlength=len(rank))
     counts = np.bincount(which, minlength=len(rank)).astype(np.float64)
     pick = np.random.default_rng(seed).integers(0, len(rank), size=(samples, len(rank)))
-    draws = sums[pick].sum(axis=1) / counts[pick].sum(axis=1)
-    alpha = (1 - level) / 2
-    lo, hi = np.quantile(draws, [alpha, 1 - alpha])
-    return float(lo), float(hi)
+    return percentile_interval(sums[pick].sum(axis=1) / counts[pick].sum(axis=1), level)
 
 
 def paired_bootstrap(a: Sequence[float], b: Sequence[float], seed: int = 0, level: float = 0.95,
@@ -84,9 +81,8 @@ def gap_closed(edge: Sequence[float], method: Sequence[float], ceiling: Sequence
         return {"n": 1, "fraction": point, "ci95_lo": None, "ci95_hi": None}
     rng = np.random.default_rng(seed)
     draws = frac(x[rng.integers(0, len(rows), size=(samples, len(rows)))])
-    alpha = (1 - level) / 2
     finite = draws[~np.isnan(draws)]
     if finite.size == 0:  # no resample has a gap: the interval is as undefined as the point, without numpy's warning
         return {"n": len(rows), "fraction": point, "ci95_lo": float("nan"), "ci95_hi": float("nan")}
-    lo, hi = np.quantile(finite, [alpha, 1 - alpha])
+    lo, hi = percentile_interval(finite, level)
     return {"n": len(rows), "fraction": point, "ci95_lo": float(lo), "ci95_hi": float(hi)}
