@@ -14,16 +14,23 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from edgekv import EdgeKVError
-from edgekv.attention.prefix_kv import PrefixKV, continuation_nll, prefix_kv
+from edgekv.attention.prefix_kv import (
+    PrefixKV,
+    continuation_logits,
+    continuation_nll,
+    packed_continuation_logits,
+    prefix_kv,
+)
 from edgekv.distill import distill_job
 from edgekv.distill.distill_job import DistillConfig, run_distill
-from edgekv.distill.student import initial_student, select_tokens
-from edgekv.distill.teacher import RECALL, RECALL_FORMAT, SEED_PROMPTS
+from edgekv.distill.student import initial_student, sample_losses, select_tokens
+from edgekv.distill.teacher import RECALL, RECALL_FORMAT, SEED_PROMPTS, BatchedTeacher, Sample, plan_seeds, synthesize
 from edgekv.kv.cloud_kv import same_model_layers
 from edgekv.kv.encode import coded
 from edgekv.kv.export import KVExport, KVStoreError
 from edgekv.kv.unpack import decode_layer, edge_kv
 from edgekv.models.loading import load_model
+from edgekv.models.targets import topk_kl
 from edgekv.serve.sampling import SamplingParams
 from edgekv.serve.session import EdgeSession
 from tests.helpers import PROMPT, make_export
@@ -128,6 +135,38 @@ def test_distilled_prefix_is_differentiable(pair):
     nll.backward()
     assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in student.parameters())
     assert isinstance(student.prefix(), PrefixKV)
+
+
+def test_packed_sample_losses_equal_one_sequence_at_a_time(pair):
+    """The training batch read after the student in one packed forward (relay attention) gives each sequence's
+    logits, loss and gradient as a forward of that sequence alone on stock attention does (float32)."""
+    _, edge = pair
+    ids = torch.tensor(edge.tokenizer(PROMPT)["input_ids"])
+    student, _ = initial_student(edge, ids, 8, "first")
+    for t in student.parameters():
+        t.requires_grad_(True)
+    seqs = [ids[8:12], ids[12:13], ids[12:21], ids[9:11]]  # lengths 4, 1, 9, 2: a one-token row decodes
+    with torch.no_grad():
+        packed = packed_continuation_logits(edge.model, student.prefix(), seqs)
+        for seq, got in zip(seqs, packed):
+            torch.testing.assert_close(got, continuation_logits(edge.model, student.prefix(), seq),
+                                       atol=1e-4, rtol=1e-4)
+    vocab = packed[0].shape[-1]
+    # each sample's user + answer[:-1] is one of `seqs` (the one-token one included)
+    samples = [Sample("x", seq[:1], torch.cat([seq[1:], seq[:1]])) for seq in seqs]
+    for n, (s, seq) in enumerate(zip(samples, seqs)):  # any targets: the losses are compared, not judged
+        g = torch.Generator().manual_seed(n)
+        s.top_ids = torch.stack([torch.randperm(vocab, generator=g)[:5] for _ in range(seq.numel())])
+        s.top_logp = torch.log_softmax(torch.randn(seq.numel(), 6, generator=g), -1)[:, :5]
+    together = sum(sample_losses(edge, student.prefix(), samples, query_loss=True))
+    grads_packed = torch.autograd.grad(together, student.parameters())
+    alone = sum(topk_kl(continuation_logits(edge.model, student.prefix(), seq), s.top_ids, s.top_logp)
+                for s, seq in zip(samples, seqs))
+    grads_alone = torch.autograd.grad(alone, student.parameters())
+    assert float(together.detach()) > 0
+    torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads_packed, grads_alone):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("args,message", [
@@ -242,8 +281,6 @@ def test_the_planner_takes_distilled_exports_as_candidates(pair, tmp_path):
 
 # ------------------------------------------------------------------------------------------- the batched teacher
 
-from edgekv.attention.prefix_kv import continuation_logits  # noqa: E402
-from edgekv.distill.teacher import BatchedTeacher, Sample, plan_seeds, synthesize  # noqa: E402
 
 
 def test_batched_teacher_equals_one_at_a_time(pair):

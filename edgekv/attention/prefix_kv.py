@@ -16,6 +16,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
+from edgekv.attention.fuse import enable_fusion
+from edgekv.attention.relay import RelayBatch, relay_cache
 from edgekv.models.structure import KVPair, decoder_layers, model_device
 
 
@@ -232,6 +234,26 @@ def continuation_logits(model: torch.nn.Module, prefix: PrefixKV, ids: torch.Ten
     positions = torch.arange(prefix.next_position, prefix.next_position + ids.numel(), device=device)[None]
     return model(input_ids=ids[None].to(device), cache=prefix.request_cache(), position_ids=positions,
                  use_cache=True, logits_to_keep=last, **prefix.attention_kwargs()).logits[0]
+
+
+def packed_continuation_logits(model: torch.nn.Module, prefix: PrefixKV, seqs: list[torch.Tensor]
+                               ) -> list[torch.Tensor]:
+    """Each sequence's logits (T_i, vocab), every one read after `prefix` (positions from its `next_position`), in
+    ONE forward: the sequences are packed and attended by relay attention (every query to the prefix's one copy,
+    each sequence causally to its own tokens, merged exactly), so a batch of short sequences makes one pass of large
+    matrix products instead of one small pass each; differentiable in the prefix's tensors."""
+    enable_fusion(model)  # relay attention is a mode of the fused attention function
+    device = model_device(model)
+    lens = [s.numel() for s in seqs]
+    ids = torch.cat([s.to(device) for s in seqs])[None]
+    positions = torch.cat([torch.arange(prefix.next_position, prefix.next_position + n, device=device)
+                           for n in lens])[None]
+    k0 = prefix.layer(0)[0]
+    empty = k0.new_zeros(1, k0.shape[1], 0, k0.shape[-1]).detach()
+    batch = RelayBatch(prefix.layer, [[empty] * (2 * prefix.num_layers) for _ in seqs], lens, prefix.segments)
+    cache = relay_cache(batch, prefix.num_layers, prefix.prefix_len)
+    logits = model(input_ids=ids, cache=cache, position_ids=positions, use_cache=True, relay=batch).logits[0]
+    return list(logits.split(lens))
 
 
 def continuation_nll(model: torch.nn.Module, prefix: PrefixKV, user: torch.Tensor,

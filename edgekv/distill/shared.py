@@ -8,7 +8,7 @@ Each training prompt's synthetic set is `edgekv distill`'s own (`synthetic.py`: 
 top-k targets, kept per prompt, so a later per-prompt run reuses them). A step takes one training prompt (a
 seeded order) and `batch` of its exchanges: the edge prefills the prompt *after* the current prefix (the gradient
 runs through that prefill too, unless `grad_through_prompt` is off: then the prompt's KV under the current prefix
-is a constant of the step) and the loss is the top-k KL of `student.sample_loss`. Whole training prompts are held
+is a constant of the step) and the loss is the top-k KL of `student.sample_losses`. Whole training prompts are held
 out for early stopping. The result is a `shared-prefix` export (`edgekv.kv.shared_prefix`).
 
 `shared_targets: text` needs no generation at all: the teacher reads each training prompt once (its targets kept
@@ -40,7 +40,7 @@ from edgekv import EdgeKVError
 from edgekv.atomic import write_text_atomic
 from edgekv.attention.prefix_kv import PrefixKV, joined, prefill_after, prefix_kv, read_after
 from edgekv.config import changed
-from edgekv.distill.student import Student, sample_loss, train_prefix
+from edgekv.distill.student import Student, sample_losses, train_prefix
 from edgekv.distill.synthetic import keep_set, kept_set, synthetic_set
 from edgekv.distill.teacher import Sample
 from edgekv.kv.export import token_ids_sha256
@@ -271,20 +271,20 @@ def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel | None, prompts: lis
             picks = sets[p]
             w = cfg.reply_weight
             if w is not None and p in replies:  # sets[p] is [text, *replies]
-                text = 0.0 if w == 1 else (1 - w) * sample_loss(edge, prefix, picks[0], cfg.query_loss)
-                more = picks[1:] if w else []
-                return text + w * sum(sample_loss(edge, prefix, s, cfg.query_loss) for s in more) / max(len(more), 1)
+                text, more = ([] if w == 1 else picks[:1]), (picks[1:] if w else [])
+                losses = sample_losses(edge, prefix, text + more, cfg.query_loss)  # one packed forward
+                return ((1 - w) * losses[0] if text else 0.0) + w * sum(losses[len(text):]) / max(len(more), 1)
         else:
             picks = [sets[p][example_index(step * cfg.batch + j, len(sets[p]), cfg.seed + 1)]
                      for j in range(cfg.batch)]
-        return sum(sample_loss(edge, prefix, s, cfg.query_loss) for s in picks) / len(picks)
+        return sum(sample_losses(edge, prefix, picks, cfg.query_loss)) / len(picks)
 
     @torch.no_grad()
     def held_kl(prefixed: bool = True) -> float:
         kls = []
         for p in held_idx:
             prefix = reading(edge, student, ids[p], grad=False) if prefixed else PrefixKV.of_model(edge.model, ids[p])
-            kls += [float(sample_loss(edge, prefix, s)) for s in sets[p][:cfg.held_samples]]
+            kls += [float(x) for x in sample_losses(edge, prefix, sets[p][:cfg.held_samples])]
         return sum(kls) / len(kls)
 
     start = time.perf_counter()

@@ -6,6 +6,8 @@ whole prompt when P' = P, else of P' tokens chosen by `select_tokens`), learns b
 `freeze_first` tokens (the attention sink) can be kept at their initial KV, as Cartridges does. With a `codec`
 the student is read as it will ship (ThinK-pruned and quantized, `kv.encode.coded`) and trained through it
 straight-through (Bengio et al. 2013): the loss sees the shipped KV, the gradient updates the float KV beneath it.
+A step's sequences are read after the student packed into one forward (relay attention), not one forward each:
+1.72× faster a training step on the default edge (`bench/student_pack.py`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from safetensors.torch import load_file
 
 from edgekv import EdgeKVError
 from edgekv.atomic import write_tensors_atomic, write_text_atomic
-from edgekv.attention.prefix_kv import PrefixKV, continuation_logits, joined, prefill_after, prefix_kv
+from edgekv.attention.prefix_kv import PrefixKV, joined, packed_continuation_logits, prefill_after, prefix_kv
 from edgekv.distill.teacher import Sample
 from edgekv.kv.train_loop import Trainee, cosine, example_index, train_loop
 from edgekv.models.loading import LoadedModel
@@ -140,19 +142,42 @@ def initial_student(edge: LoadedModel, system_ids: torch.Tensor, keep: int, rule
                    front=front, codec=codec), index
 
 
+PACK_TOKENS = 1024  # tokens of one packed forward: bounds its logits (tokens × vocab) and activations
+
+
+def sample_losses(edge: LoadedModel, prefix: PrefixKV, samples: list[Sample], query_loss: bool = False
+                  ) -> list[torch.Tensor]:
+    """Each sample's KL(teacher ‖ edge-on-prefix) over the teacher's top-k and the tail, mean over the answer's
+    tokens (and the query's own tokens after its first, with `query_loss`); the samples are read after the prefix
+    packed, up to `PACK_TOKENS` a forward."""
+    losses: list[torch.Tensor] = []
+    start = 0
+    while start < len(samples):
+        end, size = start, 0
+        while end < len(samples) and (end == start or size + _length(samples[end]) <= PACK_TOKENS):
+            size, end = size + _length(samples[end]), end + 1
+        group = samples[start:end]
+        seqs = [torch.cat([s.user, s.answer[:-1]]) for s in group]
+        for s, logits in zip(group, packed_continuation_logits(edge.model, prefix, seqs)):
+            first = 0 if query_loss else s.answer_from
+            losses.append(topk_kl(logits[first:], s.top_ids[first:], s.top_logp[first:]))
+        start = end
+    return losses
+
+
+def _length(s: Sample) -> int:
+    return s.user.numel() + s.answer.numel() - 1
+
+
 def sample_loss(edge: LoadedModel, prefix: PrefixKV, s: Sample, query_loss: bool = False) -> torch.Tensor:
-    """KL(teacher ‖ edge-on-student) over the teacher's top-k and the tail, mean over the answer's tokens (and the
-    query's own tokens after its first, with `query_loss`)."""
-    first = 0 if query_loss else s.answer_from
-    logits = continuation_logits(edge.model, prefix, torch.cat([s.user, s.answer[:-1]]))[first:]
-    return topk_kl(logits, s.top_ids[first:], s.top_logp[first:])
+    """`sample_losses` of one sample."""
+    return sample_losses(edge, prefix, [s], query_loss)[0]
 
 
 @torch.no_grad()
 def held_out_kl(edge: LoadedModel, student: Student, samples: list[Sample]) -> float:
     """Mean KL to the teacher over held-out samples, on their answers (the same measure whatever the loss)."""
-    prefix = student.prefix()
-    return float(sum(float(sample_loss(edge, prefix, s)) for s in samples) / max(1, len(samples)))
+    return float(sum(float(x) for x in sample_losses(edge, student.prefix(), samples)) / max(1, len(samples)))
 
 
 def split_samples(samples: list[Sample], held_out: float, seed: int) -> tuple[list[Sample], list[Sample]]:
@@ -171,7 +196,7 @@ def train_student(cfg: Any, edge: LoadedModel, student: Student, train: list[Sam
     def loss(step: int) -> torch.Tensor:
         prefix = student.prefix()
         picks = [train[example_index(step * cfg.batch + j, len(train), cfg.seed)] for j in range(cfg.batch)]
-        return sum(sample_loss(edge, prefix, s, cfg.query_loss) for s in picks) / cfg.batch
+        return sum(sample_losses(edge, prefix, picks, cfg.query_loss)) / cfg.batch
 
     return train_prefix(cfg, edge, student, loss, lambda: held_out_kl(edge, student, held), checkpoint, tasks,
                         "train the student")
