@@ -22,6 +22,7 @@ from edgekv.attention.prefix_kv import (
     prefix_kv,
 )
 from edgekv.distill import distill_job
+from edgekv.distill import student as student_module
 from edgekv.distill.distill_job import DistillConfig, run_distill
 from edgekv.distill.student import initial_student, sample_losses, select_tokens
 from edgekv.distill.teacher import RECALL, RECALL_FORMAT, SEED_PROMPTS, BatchedTeacher, Sample, plan_seeds, synthesize
@@ -137,7 +138,7 @@ def test_distilled_prefix_is_differentiable(pair):
     assert isinstance(student.prefix(), PrefixKV)
 
 
-def test_packed_sample_losses_equal_one_sequence_at_a_time(pair):
+def test_packed_sample_losses_equal_one_sequence_at_a_time(pair, monkeypatch):
     """The training batch read after the student in one packed forward (relay attention) gives each sequence's
     logits, loss and gradient as a forward of that sequence alone on stock attention does (float32)."""
     _, edge = pair
@@ -164,6 +165,10 @@ def test_packed_sample_losses_equal_one_sequence_at_a_time(pair):
                 for s, seq in zip(samples, seqs))
     grads_alone = torch.autograd.grad(alone, student.parameters())
     assert float(together.detach()) > 0
+    monkeypatch.setattr(student_module, "PACK_TOKENS", 5)  # packs of 4 + 1, 9 and 2 tokens
+    with torch.no_grad():
+        torch.testing.assert_close(sum(sample_losses(edge, student.prefix(), samples, query_loss=True)),
+                                   together.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
     for a, b in zip(grads_packed, grads_alone):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

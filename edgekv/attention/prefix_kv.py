@@ -2,8 +2,9 @@
 computed it. `PrefixKV` holds every layer's (1, kv_heads, P, d) keys and values read-only, plus the gated cloud
 segments of a fusion; a request never writes into it but attends through `request_cache()`, whose
 `SharedPrefixLayer`s reference the prefix (no copy) and store only the request's own tokens. Positions continue
-after the prefix. Training, fidelity and the server all read a prefix this way; where its layers come from (an
-export, a peer, the edge's own prefill) is `edgekv.serve.system_kv`'s business.
+after the prefix. Training (a batch packed into one forward: `packed_continuation_logits`), fidelity and the
+server all read a prefix this way; where its layers come from (an export, a peer, the edge's own prefill) is
+`edgekv.serve.system_kv`'s business.
 """
 
 from __future__ import annotations

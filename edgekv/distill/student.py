@@ -7,7 +7,7 @@ whole prompt when P' = P, else of P' tokens chosen by `select_tokens`), learns b
 the student is read as it will ship (ThinK-pruned and quantized, `kv.encode.coded`) and trained through it
 straight-through (Bengio et al. 2013): the loss sees the shipped KV, the gradient updates the float KV beneath it.
 A step's sequences are read after the student packed into one forward (relay attention), not one forward each:
-1.72× faster a training step on the default edge (`bench/student_pack.py`).
+a training step 1.72× faster on the default edge (`bench/student_pack.py`).
 """
 
 from __future__ import annotations
@@ -150,23 +150,22 @@ def sample_losses(edge: LoadedModel, prefix: PrefixKV, samples: list[Sample], qu
     """Each sample's KL(teacher ‖ edge-on-prefix) over the teacher's top-k and the tail, mean over the answer's
     tokens (and the query's own tokens after its first, with `query_loss`); the samples are read after the prefix
     packed, up to `PACK_TOKENS` a forward."""
+    packs: list[list[Sample]] = [[]]
+    size = 0
+    for s in samples:
+        n = s.user.numel() + s.answer.numel() - 1
+        if packs[-1] and size + n > PACK_TOKENS:
+            packs.append([])
+            size = 0
+        packs[-1].append(s)
+        size += n
     losses: list[torch.Tensor] = []
-    start = 0
-    while start < len(samples):
-        end, size = start, 0
-        while end < len(samples) and (end == start or size + _length(samples[end]) <= PACK_TOKENS):
-            size, end = size + _length(samples[end]), end + 1
-        group = samples[start:end]
-        seqs = [torch.cat([s.user, s.answer[:-1]]) for s in group]
-        for s, logits in zip(group, packed_continuation_logits(edge.model, prefix, seqs)):
+    for pack in packs:
+        seqs = [torch.cat([s.user, s.answer[:-1]]) for s in pack]
+        for s, logits in zip(pack, packed_continuation_logits(edge.model, prefix, seqs) if pack else []):
             first = 0 if query_loss else s.answer_from
             losses.append(topk_kl(logits[first:], s.top_ids[first:], s.top_logp[first:]))
-        start = end
     return losses
-
-
-def _length(s: Sample) -> int:
-    return s.user.numel() + s.answer.numel() - 1
 
 
 def sample_loss(edge: LoadedModel, prefix: PrefixKV, s: Sample, query_loss: bool = False) -> torch.Tensor:
