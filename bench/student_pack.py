@@ -21,6 +21,8 @@ import torch
 from edgekv.atomic import write_text_atomic
 from edgekv.summary import median
 
+QUERY, ANSWER, TOP_K = 20, 64, 64  # configs/distill.yaml's max_query_tokens, max_answer_tokens, top_k
+
 
 def _samples(ids: torch.Tensor, n: int, vocab: int, seed: int) -> list:
     from edgekv.distill.teacher import Sample
@@ -28,11 +30,11 @@ def _samples(ids: torch.Tensor, n: int, vocab: int, seed: int) -> list:
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        start = int(torch.randint(0, ids.numel() - 84, (1,), generator=g))
-        rows = 83
-        top = torch.stack([torch.randperm(vocab, generator=g)[:64] for _ in range(rows)])
-        out.append(Sample("bench", ids[start:start + 20], ids[start + 20:start + 84], top,
-                          torch.log_softmax(torch.randn(rows, 65, generator=g), -1)[:, :64]))
+        start = int(torch.randint(0, ids.numel() - QUERY - ANSWER, (1,), generator=g))
+        rows = QUERY + ANSWER - 1
+        top = torch.stack([torch.randperm(vocab, generator=g)[:TOP_K] for _ in range(rows)])
+        out.append(Sample("bench", ids[start:start + QUERY], ids[start + QUERY:start + QUERY + ANSWER], top,
+                          torch.log_softmax(torch.randn(rows, TOP_K + 1, generator=g), -1)[:, :TOP_K]))
     return out
 
 
