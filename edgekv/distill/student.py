@@ -7,7 +7,7 @@ whole prompt when P' = P, else of P' tokens chosen by `select_tokens`), learns b
 the student is read as it will ship (ThinK-pruned and quantized, `kv.encode.coded`) and trained through it
 straight-through (Bengio et al. 2013): the loss sees the shipped KV, the gradient updates the float KV beneath it.
 A step's sequences are read after the student packed into one forward (relay attention), not one forward each:
-a training step 1.72× faster on the default edge (`bench/student_pack.py`).
+a training step 1.8× faster on the default edge (`bench/student_pack.py`).
 """
 
 from __future__ import annotations
