@@ -1,7 +1,8 @@
 """`edgekv distill` on tiny models: the student starts as EdgePrompt exactly, learns, resumes bit-exactly, ships as
 an ordinary export refused for another edge, and the self-teacher path never loads the cloud; the batched teacher
 gives what one request at a time gives (float32), its on-policy samples are seeded and resumable, a frozen
-first token keeps its KV bit for bit, and a student trained through its codec ships the KV it was trained on."""
+first token keeps its KV bit for bit, a student trained through its codec ships the KV it was trained on, and a
+training batch read in one packed forward gives what one forward per sequence gives."""
 
 from __future__ import annotations
 
@@ -170,6 +171,7 @@ def test_packed_sample_losses_equal_one_sequence_at_a_time(pair, monkeypatch):
         torch.testing.assert_close(sum(sample_losses(edge, student.prefix(), samples, query_loss=True)),
                                    together.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
+    assert all(b.abs().sum() > 0 for b in grads_alone)  # every layer's KV gets a gradient: the check is not empty
     for a, b in zip(grads_packed, grads_alone):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
@@ -285,7 +287,6 @@ def test_the_planner_takes_distilled_exports_as_candidates(pair, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- the batched teacher
-
 
 
 def test_batched_teacher_equals_one_at_a_time(pair):
