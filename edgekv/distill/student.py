@@ -13,7 +13,7 @@ a training step 1.8× faster on the default edge (`bench/student_pack.py`).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -145,24 +145,30 @@ def initial_student(edge: LoadedModel, system_ids: torch.Tensor, keep: int, rule
 PACK_TOKENS = 1024  # tokens of one packed forward: bounds its logits (tokens × vocab) and activations
 
 
+def _packs(samples: list[Sample]) -> Iterator[list[Sample]]:
+    """Consecutive runs of samples of at most `PACK_TOKENS` tokens read (a longer sample is a pack alone)."""
+    pack: list[Sample] = []
+    size = 0
+    for s in samples:
+        n = s.user.numel() + s.answer.numel() - 1
+        if pack and size + n > PACK_TOKENS:
+            yield pack
+            pack, size = [], 0
+        pack.append(s)
+        size += n
+    if pack:
+        yield pack
+
+
 def sample_losses(edge: LoadedModel, prefix: PrefixKV, samples: list[Sample], query_loss: bool = False
                   ) -> list[torch.Tensor]:
     """Each sample's KL(teacher ‖ edge-on-prefix) over the teacher's top-k and the tail, mean over the answer's
     tokens (and the query's own tokens after its first, with `query_loss`); the samples are read after the prefix
     packed, up to `PACK_TOKENS` a forward."""
-    packs: list[list[Sample]] = [[]]
-    size = 0
-    for s in samples:
-        n = s.user.numel() + s.answer.numel() - 1
-        if packs[-1] and size + n > PACK_TOKENS:
-            packs.append([])
-            size = 0
-        packs[-1].append(s)
-        size += n
     losses: list[torch.Tensor] = []
-    for pack in packs:
+    for pack in _packs(samples):
         seqs = [torch.cat([s.user, s.answer[:-1]]) for s in pack]
-        for s, logits in zip(pack, packed_continuation_logits(edge.model, prefix, seqs) if pack else []):
+        for s, logits in zip(pack, packed_continuation_logits(edge.model, prefix, seqs)):
             first = 0 if query_loss else s.answer_from
             losses.append(topk_kl(logits[first:], s.top_ids[first:], s.top_logp[first:]))
     return losses
