@@ -36,6 +36,8 @@ CONDITIONS = {"edgeprompt-shared": "edgeprompt-shared", "edgeprompt-shared-gated
               "distill-shared-int2": "ce-lslm-distill-shared@0.35/int2",
               "distill-shared-qat-int2": "ce-lslm-distill-shared:qat@0.35/int2",
               "distill-shared-qat-s96-int2": "ce-lslm-distill-shared:qat@s96/0.35/int2",
+              # the same 2-bit student taught by the edge on the prefix: the codec's share (twentieth session)
+              "selfdistill-shared-qat-int2": "edgeprompt-shared-selfdistill:qat@0.35/int2",
               "fuse": "ce-lslm-fuse", "notes": "notes", "prefix-sft": "prefix-sft", "oracle-kv": "oracle-kv",
               "cloud": "cloud-only", "edge": "edge-only", "cloud-nosys": "cloud-nosys", "edge-nosys": "edge-nosys"}
 CONTRASTS = {"distill-shared - distill": ("distill-shared", "distill"),
@@ -47,13 +49,17 @@ CONTRASTS = {"distill-shared - distill": ("distill-shared", "distill"),
              "distill-shared-qat-int2 - distill-c8-shared": ("distill-shared-qat-int2", "distill-c8-shared"),
              "distill-shared-qat-int2 - edgeprompt-shared-int2": ("distill-shared-qat-int2", "edgeprompt-shared-int2"),
              "distill-shared-qat-s96-int2 - distill-shared-qat-int2": ("distill-shared-qat-s96-int2",
-                                                                       "distill-shared-qat-int2")}
+                                                                       "distill-shared-qat-int2"),
+             "distill-shared-qat-int2 - edgeprompt-shared": ("distill-shared-qat-int2", "edgeprompt-shared"),
+             "selfdistill-shared-qat-int2 - edgeprompt-shared": ("selfdistill-shared-qat-int2", "edgeprompt-shared"),
+             "distill-shared-qat-int2 - selfdistill-shared-qat-int2": ("distill-shared-qat-int2",
+                                                                       "selfdistill-shared-qat-int2")}
 SHIPPED = ("edgeprompt-shared", "edgeprompt-shared-gated", "distill", "distill-shared", "distill-c8-shared", "fuse")
 # gap shares reported, not shipped (oracle-kv: a bound; the recall and 2-bit students: candidates until their rules
 # are met; the P/4 and P/2 students: how much a longer student recovers)
 BESIDE = (HELD_OUT, "notes", "prefix-sft", "oracle-kv", "distill-c8-shared-recall", "distill-c4-shared",
           "distill-c2-shared", "edgeprompt-shared-int2", "distill-shared-int2", "distill-shared-qat-int2",
-          "distill-shared-qat-s96-int2")
+          "distill-shared-qat-s96-int2", "selfdistill-shared-qat-int2")
 SHARED = Spec(CONDITIONS, CONTRASTS, {f"gap_closed_by_{c}": c for c in SHIPPED + BESIDE}, REFERENCE)
 
 

@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 from cli.main import app
 from edgekv import EdgeKVError
 from edgekv.attention.prefix_kv import PrefixKV, continuation_logits, prefill_after, prefix_kv, read_after
+from edgekv.distill import synthetic
 from edgekv.distill.distill_job import DistillConfig, run_distill
 from edgekv.distill.shared import init_ids, label_samples, prompt_labels, reply_samples, text_sample
 from edgekv.distill.student import sample_loss
@@ -373,7 +374,8 @@ def test_eval_edgeprompt_shared(pair, tiny_models, prompts, tmp_path):
     cfg = dict(out=str(tmp_path / "run"), cloud=tiny_models["cloud"], edge=tiny_models["edge"], dtype="float32",
                limit=2, max_new_tokens=4, datasets=["xsum"], xsum_source=str(xsum), min_system_tokens=8,
                strategies=["edgeprompt", "edgeprompt-shared", "ce-lslm-distill-shared@c4", "oracle-kv", "cloud-nosys",
-                           "edge-nosys", "notes", "prefix-sft", "edgeprompt-shared-gated"],
+                           "edge-nosys", "notes", "prefix-sft", "edgeprompt-shared-gated",
+                           "edgeprompt-shared-selfdistill:qat@0.3/int2"],
                distill_config=str(distill), notes_instruction="\nNotes:", notes_tokens=8)
     with pytest.raises(EdgeKVError, match="needs shared"):
         EvalConfig(**cfg).validate()
@@ -384,7 +386,7 @@ def test_eval_edgeprompt_shared(pair, tiny_models, prompts, tmp_path):
     run_eval(EvalConfig(**cfg, shared=shared, shared_sft=sft), models=(cloud, edge))
     rows = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
     by = {(r["strategy"], r["id"]): r for r in rows}
-    assert len(rows) == 18
+    assert len(rows) == 20
     for (s, i), r in by.items():
         if s == "oracle-kv":  # trained on the request's own reference: a bound, its cloud seconds counted
             assert r["cloud_s"] > 0 and r["ref_nll"] != by[("edgeprompt", i)]["ref_nll"]
@@ -398,6 +400,9 @@ def test_eval_edgeprompt_shared(pair, tiny_models, prompts, tmp_path):
             assert r["system_tokens"] == 0
         if s.startswith("ce-lslm-distill-shared"):  # P/4 student tokens after the prefix's 6
             assert r["system_tokens"] == 6 + -(-(by[("edgeprompt", i)]["system_tokens"]) // 4) and r["cloud_s"] > 0
+        if s.startswith("edgeprompt-shared-selfdistill"):  # every token after the prefix, 2-bit: fewer bytes
+            assert r["system_tokens"] == by[("edgeprompt", i)]["system_tokens"] + 6 and r["cloud_s"] > 0
+            assert r["bytes_cloud_to_edge"] < by[("edgeprompt", i)]["bytes_cloud_to_edge"] / 4
         if s == "edgeprompt-shared-gated":  # each request answered exactly as one of the two paths its gate chose
             ep = by[("edgeprompt", i)]
             chosen = by[("edgeprompt-shared", i)] if r["system_tokens"] == ep["system_tokens"] + 6 else ep
@@ -506,6 +511,22 @@ def test_distill_on_top_of_the_prefix(pair, tiny_models, prompts, tmp_path):
     assert session.system.next_position == shared.tokens + short["kv_tokens"] == session.prefix_len
     with pytest.raises(EdgeKVError, match="give one of them"):
         DistillConfig(**{**one, "train_shared": True, "prompts": str(prompts), "system_prompt": None}).validate()
+
+
+def test_a_self_teacher_under_the_prefix_is_the_edge_reading_it(pair, prompts, tmp_path, monkeypatch):
+    """teacher self + --shared: the teacher is the edge reading [prefix | prompt], so a student of every token starts
+    at it (held-out KL 0; under a codec only the codec's loss is left to learn)."""
+    cloud, edge = pair
+    trained = run_distill(_cfg(tmp_path / "t", prompts, steps=4), models=(cloud, edge))["shared"]["out"]
+    one = dict(system_prompt=PROMPT, dtype="float32", instructions=INSTRUCTIONS, queries=6, max_answer_tokens=10,
+               steps=0, quant="fp32", shared=trained, teacher="self")
+    start = run_distill(DistillConfig(out=str(tmp_path / "a"), **one), models=(cloud, edge))["reports"]["prompt"]
+    assert start["distilled"]["held_out_kl"] < 1e-6
+    # a teacher that forgets the prefix its student reads does not start where the student does (this tiny model's
+    # KL is ~1e-4 then: small, but three orders above the one above)
+    monkeypatch.setattr(synthetic, "self_under_shared", lambda cfg, edge: None)
+    off = run_distill(DistillConfig(out=str(tmp_path / "b"), **one), models=(cloud, edge))["reports"]["prompt"]
+    assert off["distilled"]["held_out_kl"] > 1e-5
 
 
 def test_report_pairs_conditions_and_decomposes_the_lead():

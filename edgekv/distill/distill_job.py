@@ -88,7 +88,8 @@ class DistillConfig(ModelSettings):
     system_prompt: str | None = setting(None, "One system prompt: TEXT or @FILE.")
     prompts: str | None = setting(None, "JSONL of {\"name\", \"system_prompt\"}, one export each.")
     synthetic_dir: str | None = None  # a root kept apart (<root>/<name>/synthetic.*): runs of one teacher share it
-    teacher: str = setting("cloud", "cloud, or self (the edge reading the whole prompt).")
+    teacher: str = setting("cloud", "cloud, or self (the edge reading the whole prompt, after "
+                                          "--shared's prefix when one is given).")
     length: int | None = setting(None, "Student tokens P'.", shown="the whole prompt")
     compress: int | None = setting(None, "Student tokens P' = ceil(P / N), instead of --length.")
     rule: str = setting("first", "Which tokens a shorter student starts from: first or even.")

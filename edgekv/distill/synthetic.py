@@ -14,9 +14,11 @@ from safetensors.torch import load_file
 
 from edgekv import EdgeKVError
 from edgekv.atomic import write_tensors_atomic, write_text_atomic
+from edgekv.attention.prefix_kv import PrefixKV, read_after
 from edgekv.distill.student import Student
 from edgekv.distill.teacher import UNWRITTEN, BatchedTeacher, Sample, plan_seeds, student_answers, synthesize
 from edgekv.kv.export import token_ids_sha256
+from edgekv.kv.shared_prefix import SharedPrefix
 from edgekv.models.loading import LoadedModel
 from edgekv.progress import Tasks
 
@@ -42,6 +44,9 @@ def synthetic_set(cfg: Any, teacher: LoadedModel, edge: LoadedModel, student: St
         key.update(student=edge.fingerprint, length=student.tokens, rule=cfg.rule)
         if getattr(cfg, "shared", None):  # the student read after a shared prefix samples other answers
             key["shared"] = cfg.shared
+    teacher_reads = self_under_shared(cfg, edge)
+    if teacher_reads is not None:  # the teacher's prefill differs, so its answers do (kept apart from the plain set)
+        key["teacher_under_shared"] = cfg.shared
     if (kept := kept_set(where, SYNTHETIC, key)) is not None:
         meta, t = kept
         return _samples(t, meta["seed"], meta["policy"]), meta
@@ -54,7 +59,8 @@ def synthetic_set(cfg: Any, teacher: LoadedModel, edge: LoadedModel, student: St
         seconds[name] = now - clock
         clock = now
 
-    model = BatchedTeacher.of_prompt(teacher, ids, max_batch=cfg.teacher_batch)
+    model = (BatchedTeacher.of_prompt(teacher, ids, max_batch=cfg.teacher_batch) if teacher_reads is None else
+             BatchedTeacher(teacher, read_after(teacher.model, teacher_reads, ids), max_batch=cfg.teacher_batch))
     lap("prefill_s")
     plan = plan_seeds(cfg.seeds, cfg.queries)
     written = sum(p not in UNWRITTEN for p in plan)
@@ -93,6 +99,14 @@ def synthetic_set(cfg: Any, teacher: LoadedModel, edge: LoadedModel, student: St
             "query_tokens": int(sum(s.user.numel() for s in samples))}
     keep_set(where, SYNTHETIC, _tensors(samples), meta)
     return samples, meta
+
+
+def self_under_shared(cfg: Any, edge: LoadedModel) -> PrefixKV | None:
+    """The shared prefix a self teacher reads before the prompt (None for a cloud teacher or no prefix): the edge as
+    it is deployed, so an uncompressed student of every token starts at the teacher and only its codec is learnt."""
+    if cfg.teacher != "self" or not getattr(cfg, "shared", None):
+        return None
+    return SharedPrefix(cfg.shared, edge).prefix
 
 
 def _write_teacher_part(where: Path, key: dict, samples: list[Sample], left: list[tuple[str, torch.Tensor]],

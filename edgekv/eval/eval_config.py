@@ -38,10 +38,10 @@ class EvalConfig(ModelSettings):
     strategies: list[str] = setting(
         help="cloud-only, edge-only, edge-naive, cloud-nosys, edge-nosys, edgeprompt, edgeprompt-shared, "
         "edgeprompt-shared-gated, prefix-sft, notes, ce-lslm[:mapping], ce-lslm-fuse, "
-        "ce-lslm-distill[:nosum|:v1|:recall], ce-lslm-distill-shared[:recall], "
-        "edgeprompt-selfdistill, edgeprompt-truncate, oracle-kv (a bound); edgeprompt/ce-lslm take @RATIO/CODEC "
-        "(ce-lslm@0.25/int4), the distilled ones @c<N> (a student of P/N tokens) and/or s<S> (S training steps): "
-        "@c8s120.",
+        "ce-lslm-distill[:nosum|:v1|:recall|:qat], ce-lslm-distill-shared[:recall|:qat], "
+        "edgeprompt-selfdistill, edgeprompt-shared-selfdistill[:qat], edgeprompt-truncate, oracle-kv (a bound); "
+        "edgeprompt/ce-lslm take @RATIO/CODEC (ce-lslm@0.25/int4), the distilled ones @c<N> (a student of P/N "
+        "tokens) and/or s<S> (S training steps): @c8s120, and /RATIO/CODEC after them (:qat trains through it).",
         factory=lambda: ["cloud-only", "edge-only", "edgeprompt", "ce-lslm"])
     limit: int = setting(20, "Requests per dataset.")
     seed: int = seed_setting("Sampling seed of the requests.")

@@ -10,6 +10,8 @@ speed, trained so the edge reading it predicts what a teacher predicts reading t
 - `ce-lslm-distill-shared` (and its :recall, @c<N>, @s<S>): the same, on top of the run's shared prefix (issue 37).
 - `oracle-kv` (a bound, never shipped): the request's EdgePrompt KV trained toward the cloud's distribution over
   that request's own reference (issue 37): what a per-prompt KV can carry at most.
+- `edgeprompt-shared-selfdistill` (and its :qat): the edge reading [shared prefix | prompt] teaches the prompt's KV
+  read after the prefix: with `:qat@R/CODEC`, the 2-bit student's codec learnt without the cloud's per-prompt targets.
 - `edgeprompt-selfdistill@c<N>`: the edge teaches itself (Cartridges' self-study): what compression recovers
   without the cloud, at equal bytes.
 - `edgeprompt-truncate@c<N>`: the same P/N-token student untrained (0 steps): EdgePrompt of the first P/N tokens.
@@ -124,6 +126,18 @@ class EdgepromptSelfDistill(DistillStrategy):
 
     base = "edgeprompt-selfdistill"
     teacher = "self"
+
+
+@register_strategy
+class EdgepromptSharedSelfDistill(DistillStrategy):
+    """The edge on the shared prefix teaches its own KV of the prompt read after it (`:qat@R/CODEC`: through the
+    codec): the control that says how much of a shipped 2-bit student's loss is the codec's and how much the
+    cloud's per-prompt targets'; the cloud's only share is the prefix."""
+
+    base = "edgeprompt-shared-selfdistill"
+    variants = ("qat",)
+    teacher = "self"
+    prefix_setting = "shared"
 
 
 @register_strategy
