@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from edgekv import EdgeKVError
 from edgekv.atomic import write_tensors_atomic, write_text_atomic
-from edgekv.attention.prefix_kv import PrefixKV, read_after
+from edgekv.attention.prefix_kv import read_after
 from edgekv.distill.student import Student
 from edgekv.distill.teacher import UNWRITTEN, BatchedTeacher, Sample, plan_seeds, student_answers, synthesize
 from edgekv.kv.export import token_ids_sha256
@@ -46,7 +46,7 @@ def synthetic_set(cfg: Any, teacher: LoadedModel, edge: LoadedModel, student: St
             key["shared"] = cfg.shared
     teacher_reads = self_under_shared(cfg, edge)
     if teacher_reads is not None:  # the teacher's prefill differs, so its answers do (kept apart from the plain set)
-        key["teacher_under_shared"] = cfg.shared
+        key["teacher_under_shared"] = teacher_reads.fingerprint
     if (kept := kept_set(where, SYNTHETIC, key)) is not None:
         meta, t = kept
         return _samples(t, meta["seed"], meta["policy"]), meta
@@ -60,7 +60,7 @@ def synthetic_set(cfg: Any, teacher: LoadedModel, edge: LoadedModel, student: St
         clock = now
 
     model = (BatchedTeacher.of_prompt(teacher, ids, max_batch=cfg.teacher_batch) if teacher_reads is None else
-             BatchedTeacher(teacher, read_after(teacher.model, teacher_reads, ids), max_batch=cfg.teacher_batch))
+             BatchedTeacher(teacher, read_after(teacher.model, teacher_reads.prefix, ids), max_batch=cfg.teacher_batch))
     lap("prefill_s")
     plan = plan_seeds(cfg.seeds, cfg.queries)
     written = sum(p not in UNWRITTEN for p in plan)
@@ -101,12 +101,12 @@ def synthetic_set(cfg: Any, teacher: LoadedModel, edge: LoadedModel, student: St
     return samples, meta
 
 
-def self_under_shared(cfg: Any, edge: LoadedModel) -> PrefixKV | None:
+def self_under_shared(cfg: Any, edge: LoadedModel) -> SharedPrefix | None:
     """The shared prefix a self teacher reads before the prompt (None for a cloud teacher or no prefix): the edge as
     it is deployed, so an uncompressed student of every token starts at the teacher and only its codec is learnt."""
     if cfg.teacher != "self" or not getattr(cfg, "shared", None):
         return None
-    return SharedPrefix(cfg.shared, edge).prefix
+    return SharedPrefix(cfg.shared, edge)
 
 
 def _write_teacher_part(where: Path, key: dict, samples: list[Sample], left: list[tuple[str, torch.Tensor]],
