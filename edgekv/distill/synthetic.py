@@ -14,7 +14,6 @@ from safetensors.torch import load_file
 
 from edgekv import EdgeKVError
 from edgekv.atomic import write_tensors_atomic, write_text_atomic
-from edgekv.attention.prefix_kv import read_after
 from edgekv.distill.student import Student
 from edgekv.distill.teacher import UNWRITTEN, BatchedTeacher, Sample, plan_seeds, student_answers, synthesize
 from edgekv.kv.export import token_ids_sha256
@@ -59,8 +58,8 @@ def synthetic_set(cfg: Any, teacher: LoadedModel, edge: LoadedModel, student: St
         seconds[name] = now - clock
         clock = now
 
-    model = (BatchedTeacher.of_prompt(teacher, ids, max_batch=cfg.teacher_batch) if teacher_reads is None else
-             BatchedTeacher(teacher, read_after(teacher.model, teacher_reads.prefix, ids), max_batch=cfg.teacher_batch))
+    model = BatchedTeacher.of_prompt(teacher, ids, teacher_reads.prefix if teacher_reads else None,
+                                     max_batch=cfg.teacher_batch)
     lap("prefill_s")
     plan = plan_seeds(cfg.seeds, cfg.queries)
     written = sum(p not in UNWRITTEN for p in plan)

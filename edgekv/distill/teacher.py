@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from edgekv import EdgeKVError
-from edgekv.attention.prefix_kv import PrefixKV
+from edgekv.attention.prefix_kv import PrefixKV, read_after
 from edgekv.models.loading import LoadedModel, eos_ids
 from edgekv.serve.engine import Engine
 from edgekv.serve.requests import GenRequest, Result
@@ -76,9 +76,12 @@ class BatchedTeacher:
                              max_step_tokens=max_step_tokens, background=False)
 
     @classmethod
-    def of_prompt(cls, model: LoadedModel, system_ids: torch.Tensor, **kw) -> BatchedTeacher:
-        """The model's own prefill of the system prompt (the one prefill)."""
-        return cls(model, PrefixKV.of_model(model.model, system_ids), **kw)
+    def of_prompt(cls, model: LoadedModel, system_ids: torch.Tensor, after: PrefixKV | None = None,
+                  **kw) -> BatchedTeacher:
+        """The model's own prefill of the system prompt (the one prefill), read after `after` when given."""
+        prefix = PrefixKV.of_model(model.model, system_ids) if after is None else \
+            read_after(model.model, after, system_ids)
+        return cls(model, prefix, **kw)
 
     def generate(self, prompts: list[torch.Tensor], max_tokens: int, temperature: float, seeds: list[int],
                  top_k: int | None = None, stop: list[str] | None = None,
