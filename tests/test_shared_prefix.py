@@ -514,8 +514,8 @@ def test_distill_on_top_of_the_prefix(pair, tiny_models, prompts, tmp_path):
 
 
 def test_a_self_teacher_under_the_prefix_is_the_edge_reading_it(pair, prompts, tmp_path, monkeypatch):
-    """teacher self + --shared: the teacher is the edge reading [prefix | prompt], so a student of every token starts
-    at it (held-out KL 0; under a codec only the codec's loss is left to learn)."""
+    """teacher self + --shared: the teacher is the edge reading [prefix | prompt], so an uncompressed student of every
+    token starts at it (held-out KL 0), and a teacher that skips the prefix does not."""
     cloud, edge = pair
     trained = run_distill(_cfg(tmp_path / "t", prompts, steps=4), models=(cloud, edge))["shared"]["out"]
     one = dict(system_prompt=PROMPT, dtype="float32", instructions=INSTRUCTIONS, queries=6, max_answer_tokens=10,
