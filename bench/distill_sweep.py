@@ -100,7 +100,7 @@ def run_prompt(req, cloud, edge, out: Path, done: set, only: set | None, progres
     anchors = {"edgeprompt": reference_nll(edge, own, tok, req),
                "cloud": reference_nll(cloud, PrefixKV.of_model(cloud.model, ids), tok, req)}
     student0, _ = initial_student(edge, ids, ids.numel(), "all")
-    pool, meta = synthetic_set(base, cloud, edge, student0, ids, work / "teacher", Tasks(progress))
+    pool, meta = synthetic_set(base, cloud, edge, student0, ids, work / "teacher", Tasks(progress), None)
     held, pool = pool[-HELD:], pool[:-HELD]
     rows = []
     for name in todo:
@@ -109,7 +109,7 @@ def run_prompt(req, cloud, edge, out: Path, done: set, only: set | None, progres
         train = pool[:cfg.queries]
         if cfg.on_policy:  # the same queries, half of them answered by the student and scored by the teacher
             mixed = replace(base, queries=POOL + HELD, on_policy=cfg.on_policy)
-            both, _ = synthetic_set(mixed, cloud, edge, student0, ids, work / "on-policy", Tasks(progress))
+            both, _ = synthetic_set(mixed, cloud, edge, student0, ids, work / "on-policy", Tasks(progress), None)
             held_users = {tuple(h.user.tolist()) for h in held}
             train = [s for s in both if tuple(s.user.tolist()) not in held_users][:cfg.queries]
         steps = steps_for(len(train), cfg.batch)

@@ -77,7 +77,7 @@ def batched_teacher(cfg: DistillConfig, cloud, edge, ids: torch.Tensor, work: Pa
     student, _ = initial_student(edge, ids, ids.numel(), "all", freeze_first=cfg.freeze_first)
     clear_synthetic(work)  # nothing kept from an earlier run: the seconds are the point
     start = time.perf_counter()
-    samples, meta = synthetic_set(cfg, cloud, edge, student, ids, work, Tasks(None))
+    samples, meta = synthetic_set(cfg, cloud, edge, student, ids, work, Tasks(None), None)
     total = time.perf_counter() - start
     supervised = sum(s.answer.numel() + (s.user.numel() - 1) * cfg.query_loss for s in samples)
     return {"cloud_s": total, **{k: meta.get(k) for k in ("prefill_s", "teach_s", "student_s", "score_s")},

@@ -524,7 +524,7 @@ def test_a_self_teacher_under_the_prefix_is_the_edge_reading_it(pair, prompts, t
     assert start["distilled"]["held_out_kl"] < 1e-6
     # a teacher that forgets the prefix its student reads does not start where the student does (this tiny model's
     # KL is ~1e-4 then: small, but three orders above the one above)
-    monkeypatch.setattr(synthetic, "self_under_shared", lambda cfg, edge: None)
+    monkeypatch.setattr(synthetic, "self_under_shared", lambda cfg, shared: None)
     off = run_distill(DistillConfig(out=str(tmp_path / "b"), **one), models=(cloud, edge))["reports"]["prompt"]
     assert off["distilled"]["held_out_kl"] > 1e-5
 

@@ -276,7 +276,7 @@ def distill_one(cfg: DistillConfig, edge: LoadedModel, teacher: LoadedModel, nam
     codec = (lambda i, k, v: coded(k, v, queries[i].q_obs, cfg.prune_ratio, cfg.quant)) if cfg.train_codec else None
     student, index = initial_student(edge, ids, keep, cfg.rule, cfg.param, cfg.rank, cfg.seed, cfg.freeze_first,
                                      shared.prefix if shared else None, codec)
-    samples, meta = synthetic_set(cfg, teacher, edge, student, ids, work, tasks)
+    samples, meta = synthetic_set(cfg, teacher, edge, student, ids, work, tasks, shared)
     train, held = split_samples(samples, cfg.held_out, cfg.seed)
     start = time.perf_counter()
     log_, best = train_student(cfg, edge, student, train, held, work / "train", tasks)

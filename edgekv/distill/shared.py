@@ -245,7 +245,7 @@ def run_shared(cfg, edge: LoadedModel, teacher: LoadedModel | None, prompts: lis
             advance()
     else:
         for (name, _), t in zip(prompts, ids):  # the teacher reads each prompt alone: no prefix on its side
-            samples, _ = synthetic_set(cfg, teacher, edge, None, t, out / "synthetic" / name, tasks)
+            samples, _ = synthetic_set(cfg, teacher, edge, None, t, out / "synthetic" / name, tasks, None)
             sets.append(samples)
     teach_s = time.perf_counter() - start + kept_s  # the kept targets' seconds, measured when they were made
     for (name, _), samples in zip(prompts, sets):

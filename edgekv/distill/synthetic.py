@@ -30,11 +30,11 @@ TEACHER_PART = "teacher-part"  # .json + .safetensors beside the set: the teache
 
 
 def synthetic_set(cfg: Any, teacher: LoadedModel, edge: LoadedModel, student: Student, ids: torch.Tensor,
-               work: Path, tasks: Tasks) -> tuple[list[Sample], dict]:
-    """The synthetic set with its targets (`cfg`: a DistillConfig): read back when this teacher made it before, else
-    made and kept (an on-policy set also keeps the teacher's share on its own, for students of other lengths). Its
-    seconds: the teacher's prefill, writing the queries, answering, the student's on-policy answers, the teacher
-    scoring them."""
+               work: Path, tasks: Tasks, shared: SharedPrefix | None) -> tuple[list[Sample], dict]:
+    """The synthetic set with its targets (`cfg`: a DistillConfig; `shared`: the prefix the student reads, already
+    loaded): read back when this teacher made it before, else made and kept (an on-policy set also keeps the
+    teacher's share on its own, for students of other lengths). Its seconds: the teacher's prefill, writing the
+    queries, answering, the student's on-policy answers, the teacher scoring them."""
     where = Path(cfg.synthetic_dir) / work.name if cfg.synthetic_dir else work
     where.mkdir(parents=True, exist_ok=True)
     key = {"teacher": teacher.fingerprint, **{k: getattr(cfg, k) for k in SYNTHETIC_KEYS},
@@ -43,7 +43,7 @@ def synthetic_set(cfg: Any, teacher: LoadedModel, edge: LoadedModel, student: St
         key.update(student=edge.fingerprint, length=student.tokens, rule=cfg.rule)
         if getattr(cfg, "shared", None):  # the student read after a shared prefix samples other answers
             key["shared"] = cfg.shared
-    teacher_reads = self_under_shared(cfg, edge)
+    teacher_reads = self_under_shared(cfg, shared)
     if teacher_reads is not None:  # the teacher's prefill differs, so its answers do (kept apart from the plain set)
         key["teacher_under_shared"] = teacher_reads.fingerprint
     if (kept := kept_set(where, SYNTHETIC, key)) is not None:
@@ -100,12 +100,10 @@ def synthetic_set(cfg: Any, teacher: LoadedModel, edge: LoadedModel, student: St
     return samples, meta
 
 
-def self_under_shared(cfg: Any, edge: LoadedModel) -> SharedPrefix | None:
+def self_under_shared(cfg: Any, shared: SharedPrefix | None) -> SharedPrefix | None:
     """The shared prefix a self teacher reads before the prompt (None for a cloud teacher or no prefix): the edge as
     it is deployed, so an uncompressed student of every token starts at the teacher and only its codec is learnt."""
-    if cfg.teacher != "self" or not getattr(cfg, "shared", None):
-        return None
-    return SharedPrefix(cfg.shared, edge)
+    return shared if cfg.teacher == "self" else None
 
 
 def _write_teacher_part(where: Path, key: dict, samples: list[Sample], left: list[tuple[str, torch.Tensor]],
