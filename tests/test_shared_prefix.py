@@ -529,6 +529,26 @@ def test_a_self_teacher_under_the_prefix_is_the_edge_reading_it(pair, prompts, t
     assert off["distilled"]["held_out_kl"] > 1e-5
 
 
+def test_an_on_policy_set_is_made_again_for_a_prefix_retrained_in_place(pair, prompts, tmp_path):
+    """An on-policy student reads the prefix, so its samples are kept under the prefix's fingerprint: a prefix
+    retrained at the same path makes the set afresh instead of reading the old prefix's back."""
+    cloud, edge = pair
+    where = tmp_path / "prefix"
+    one = dict(system_prompt=PROMPT, dtype="float32", instructions=INSTRUCTIONS, queries=6, max_answer_tokens=10,
+               steps=0, quant="fp32", shared=str(where), on_policy=0.5, seeds=["question", "instruction"],
+               synthetic_dir=str(tmp_path / "syn"))
+    kept = lambda: json.loads((tmp_path / "syn" / "prompt" / "synthetic.json").read_text())["key"]  # noqa: E731
+    fingerprints = []
+    for n, steps in enumerate((4, 0)):
+        trained = run_distill(_cfg(tmp_path / f"t{n}", prompts, steps=steps), models=(cloud, edge))["shared"]["out"]
+        shutil.rmtree(where, ignore_errors=True)
+        shutil.copytree(trained, where)
+        fingerprints.append(SharedPrefix(str(where), edge).fingerprint)
+        run_distill(DistillConfig(out=str(tmp_path / f"d{n}"), **one), models=(cloud, edge))
+        assert kept()["shared"] == fingerprints[-1]
+    assert fingerprints[0] != fingerprints[1]
+
+
 def test_report_pairs_conditions_and_decomposes_the_lead():
     from bench.distill_report import distill_summary
     from bench.shared_prefix_report import SHARED, decomposition, per_request

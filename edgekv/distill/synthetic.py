@@ -41,8 +41,8 @@ def synthetic_set(cfg: Any, teacher: LoadedModel, edge: LoadedModel, student: St
            "prompt_sha256": token_ids_sha256(ids.tolist()), "format": 2}
     if cfg.on_policy:  # the student's samples depend on where it starts
         key.update(student=edge.fingerprint, length=student.tokens, rule=cfg.rule)
-        if getattr(cfg, "shared", None):  # the student read after a shared prefix samples other answers
-            key["shared"] = cfg.shared
+        if shared is not None:  # the student read after a shared prefix samples other answers; by content, so a
+            key["shared"] = shared.fingerprint  # prefix retrained in place is not read as the old one
     teacher_reads = self_under_shared(cfg, shared)
     if teacher_reads is not None:  # the teacher's prefill differs, so its answers do (kept apart from the plain set)
         key["teacher_under_shared"] = teacher_reads.fingerprint
