@@ -45,7 +45,8 @@ def edge_setting(help: str = "Edge model: alias (default-edge), hub id, director
 
 def dtype_setting() -> Any:
     """The models' compute dtype."""
-    return setting("bfloat16", "bfloat16, float16 or float32.")
+    return setting("auto", "auto (bfloat16 where the device computes it natively, else float32), bfloat16, "
+                           "float16 or float32.")
 
 
 def device_setting() -> Any:

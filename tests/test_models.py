@@ -1,12 +1,15 @@
 """Model loading pieces that need no real weights."""
 
 import hashlib
+import logging
 import sys
 
 import pytest
 
 from edgekv import EdgeKVError
-from edgekv.models.loading import check_tokenizers, load_model, parse_dtype
+from edgekv.models import loading
+from edgekv.models.loading import check_tokenizers, load_model, parse_dtype, resolve_dtype
+from edgekv.models.settings import ModelSettings
 from edgekv.models.packaged import PackagedGGUF, assemble_gguf
 from tests.helpers import byte_tokenizer
 
@@ -78,3 +81,31 @@ def test_files_record_the_model_cache_by_name_not_this_machines_path(monkeypatch
     assert seen(f"default:{tmp_path}/cache/models/edge-1d96") == "default:$EDGEKV_CACHE/models/edge-1d96"
     assert seen("hub:Qwen/Qwen2.5-0.5B") == "hub:Qwen/Qwen2.5-0.5B"
     assert seen(f"dir:{tmp_path}/mine") == f"dir:{tmp_path}/mine"
+
+
+@pytest.mark.parametrize("native, expected", [(True, "bfloat16"), (False, "float32")])
+def test_auto_dtype_is_bf16_only_where_the_device_computes_it(monkeypatch, native, expected):
+    monkeypatch.setattr(loading, "native_bf16", lambda device: native)
+    assert resolve_dtype("auto") == expected
+    settings = ModelSettings(dtype="auto")
+    settings.check_models()  # the config a run records names what it computed in, never "auto"
+    assert settings.dtype == expected
+    assert resolve_dtype("float16") == "float16"  # a named dtype is kept, whatever the device
+
+
+def test_bf16_without_native_support_is_kept_and_warned_once(monkeypatch, caplog):
+    monkeypatch.setattr(loading, "native_bf16", lambda device: False)
+    loading._warn_slow_bf16.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="edgekv"):
+        assert resolve_dtype("bfloat16") == "bfloat16"  # a config that names bf16 reproduces its report's numbers
+        assert resolve_dtype("bfloat16") == "bfloat16"
+    assert [r.getMessage().count("--dtype auto picks float32") for r in caplog.records] == [1]
+    with pytest.raises(EdgeKVError, match="choose from auto, bfloat16"):
+        ModelSettings(dtype="bf16").check_models()
+
+
+def test_native_bf16_follows_the_cpu_probe(monkeypatch):
+    monkeypatch.setattr(loading.torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False, raising=False)
+    assert not loading.native_bf16("cpu")
+    monkeypatch.setattr(loading.torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True, raising=False)
+    assert loading.native_bf16("cpu")

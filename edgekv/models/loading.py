@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import tempfile
@@ -47,11 +48,38 @@ class LoadedModel:
         return self.source.replace(str(cache_root()), "$EDGEKV_CACHE")
 
 
-def parse_dtype(name: str) -> torch.dtype:
-    """Map a dtype name to torch; one-line error for anything else."""
+def native_bf16(device: str) -> bool:
+    """Whether `device` computes bf16 matmuls natively: a GPU that supports bf16, or a CPU whose instructions
+    oneDNN runs bf16 on (AVX-512 and later). On an AVX2-only CPU torch falls back to a slow path: a bf16 matmul
+    there took 50× a float32 one (`python -m bench.dtype_speed`, 2026-12-02)."""
+    if device.startswith("cuda"):
+        return torch.cuda.is_bf16_supported()
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return supported is None or bool(supported())  # an older torch without the probe: as before, bf16
+
+
+def resolve_dtype(name: str, device: str | None = None) -> str:
+    """A dtype name as a run records it: `auto` becomes bfloat16 where `device` computes it natively, else
+    float32; any other name is checked and kept (a one-line error for one that does not exist)."""
+    if name == "auto":
+        return "bfloat16" if native_bf16(resolve_device(device)) else "float32"
     if name not in DTYPES:
-        raise EdgeKVError(f"unknown dtype '{name}' (choose from {', '.join(DTYPES)})")
-    return DTYPES[name]
+        raise EdgeKVError(f"unknown dtype '{name}' (choose from auto, {', '.join(DTYPES)})")
+    if name == "bfloat16" and not native_bf16(resolve_device(device)):
+        _warn_slow_bf16(resolve_device(device))
+    return name
+
+
+@functools.cache
+def _warn_slow_bf16(device: str) -> None:
+    """Once a process: bf16 asked for where it is slow (a run keeps the dtype its config names)."""
+    log.warning("bfloat16 on this %s has no native bf16 (CPU capability %s): its matmuls run many times slower "
+                "than float32's; --dtype auto picks float32 here", device, torch.backends.cpu.get_cpu_capability())
+
+
+def parse_dtype(name: str, device: str | None = None) -> torch.dtype:
+    """Map a dtype name (or `auto`, resolved for `device`) to torch; one-line error for anything else."""
+    return DTYPES[resolve_dtype(name, device)]
 
 
 _DIR_IDENTITY = ("config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
@@ -183,7 +211,7 @@ def _from_gguf(spec: str, source: str, weights: str) -> dict:
     return {n: Int4Weight(tensors[f"{n}.q"], tensors[f"{n}.scale"], tensors[f"{n}.zero"]) for n in names}
 
 
-def load_model(spec: str, dtype: str = "bfloat16", device_map: str | None = None,
+def load_model(spec: str, dtype: str = "auto", device_map: str | None = None,
                device: str | None = None, weights: str = "bf16") -> LoadedModel:
     """Load a causal LM and its tokenizer from an alias, a .gguf file, a local directory or a hub id, onto
     `device` (cpu, cuda, auto) or sharded by an accelerate `device_map`; `weights` int8/int4 swaps its linears
@@ -194,8 +222,8 @@ def load_model(spec: str, dtype: str = "bfloat16", device_map: str | None = None
     check_weights(weights)  # before the load: a typo costs no minute of loading
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict = {"dtype": parse_dtype(dtype)}
     target = resolve_device(device)
+    kwargs: dict = {"dtype": parse_dtype(dtype, target)}
     if device_map:
         kwargs["device_map"] = device_map
     model, r = _from_pretrained(spec, AutoModelForCausalLM, **kwargs)
@@ -219,7 +247,7 @@ def same_model(a: LoadedModel, b: LoadedModel) -> bool:
     return a is b or a.fingerprint == b.fingerprint
 
 
-def load_pair(cloud: str, edge: str, dtype: str = "bfloat16", device_map: str | None = None,
+def load_pair(cloud: str, edge: str, dtype: str = "auto", device_map: str | None = None,
               device: str | None = None, edge_weights: str = "bf16") -> tuple[LoadedModel, LoadedModel]:
     """(cloud, edge), loaded once when both name the same model (`cloud is edge` then): `dir/` and an absolute
     path to it, or two copies of the same files, are the same model. `edge_weights` quantizes the edge (and the

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from edgekv.config import cloud_setting, device_setting, dtype_setting, edge_setting
-from edgekv.models.loading import parse_dtype
+from edgekv.models.loading import resolve_dtype
 
 
 @dataclass
@@ -19,5 +19,6 @@ class ModelSettings:
     device: str = device_setting()
 
     def check_models(self) -> None:
-        """One-line error for a dtype that does not exist (before any model loads)."""
-        parse_dtype(self.dtype)
+        """One-line error for a dtype that does not exist, and `auto` made the dtype it stands for here (before
+        any model loads), so the run's config records what it computed in."""
+        self.dtype = resolve_dtype(self.dtype, self.device)

@@ -18,7 +18,7 @@ from edgekv.config import (
 )
 from edgekv.kv.catalog import Catalog
 from edgekv.kv.shared_prefix import SharedPrefix
-from edgekv.models.loading import DTYPES, load_model
+from edgekv.models.loading import load_model, resolve_dtype
 from edgekv.models.prepack import prepack_linears
 from edgekv.runtime import limit_onednn_cache, on_fresh_thread
 from edgekv.serve.engine import MAX_BATCH, MAX_QUEUE
@@ -80,8 +80,7 @@ class ServeConfig:
             raise EdgeKVError("--catalog serves its entries over HTTP (no --kv, --batch or --system-prompt)")
         if self.kv is None and self.system_prompt is None and self.catalog is None:
             raise EdgeKVError("--kv is required (an export directory, .tar or URL)")
-        if self.dtype not in DTYPES:
-            raise EdgeKVError(f"unknown dtype '{self.dtype}' (choose from {', '.join(DTYPES)})")
+        self.dtype = resolve_dtype(self.dtype, self.device)  # auto: what it stands for here, as the run records it
         if not 0 < self.port < 65536:
             raise EdgeKVError(f"--port must be in 1..65535, got {self.port}")
         if (self.batch is None) != (self.output is None):
