@@ -5,6 +5,7 @@ import logging
 import sys
 
 import pytest
+import torch
 
 from edgekv import EdgeKVError
 from edgekv.models import loading
@@ -93,12 +94,14 @@ def test_auto_dtype_is_bf16_only_where_the_device_computes_it(monkeypatch, nativ
     assert resolve_dtype("float16") == "float16"  # a named dtype is kept, whatever the device
 
 
-def test_bf16_without_native_support_is_kept_and_warned_once(monkeypatch, caplog):
+def test_bf16_without_native_support_is_kept_and_warned_once_at_load(monkeypatch, caplog, tiny_models):
     monkeypatch.setattr(loading, "native_bf16", lambda device: False)
     loading._warn_slow_bf16.cache_clear()
     with caplog.at_level(logging.WARNING, logger="edgekv"):
         assert resolve_dtype("bfloat16") == "bfloat16"  # a config that names bf16 reproduces its report's numbers
-        assert resolve_dtype("bfloat16") == "bfloat16"
+        assert not caplog.records  # a config read (a recipe recorded beside a run) loads no model: no warning
+        for _ in range(2):
+            assert next(load_model(tiny_models["edge"], "bfloat16").model.parameters()).dtype is torch.bfloat16
     assert [r.getMessage().count("--dtype auto picks float32") for r in caplog.records] == [1]
     with pytest.raises(EdgeKVError, match="choose from auto, bfloat16"):
         ModelSettings(dtype="bf16").check_models()

@@ -65,14 +65,12 @@ def resolve_dtype(name: str, device: str | None = None) -> str:
         return "bfloat16" if native_bf16(resolve_device(device)) else "float32"
     if name not in DTYPES:
         raise EdgeKVError(f"unknown dtype '{name}' (choose from auto, {', '.join(DTYPES)})")
-    if name == "bfloat16" and not native_bf16(resolve_device(device)):
-        _warn_slow_bf16(resolve_device(device))
     return name
 
 
 @functools.cache
 def _warn_slow_bf16(device: str) -> None:
-    """Once a process: bf16 asked for where it is slow (a run keeps the dtype its config names)."""
+    """Once a process: a model loaded in bf16 where bf16 is slow (a run keeps the dtype its config names)."""
     log.warning("bfloat16 on this %s has no native bf16 (CPU capability %s): its matmuls run many times slower "
                 "than float32's; --dtype auto picks float32 here", device, torch.backends.cpu.get_cpu_capability())
 
@@ -224,6 +222,8 @@ def load_model(spec: str, dtype: str = "auto", device_map: str | None = None,
 
     target = resolve_device(device)
     kwargs: dict = {"dtype": parse_dtype(dtype, target)}
+    if kwargs["dtype"] == torch.bfloat16 and not native_bf16(target):
+        _warn_slow_bf16(target)
     if device_map:
         kwargs["device_map"] = device_map
     model, r = _from_pretrained(spec, AutoModelForCausalLM, **kwargs)

@@ -197,6 +197,11 @@ def quantize_linears(model: torch.nn.Module, weights: str, exact: dict | None = 
             report["kept"] = targets
             return report
     dtype = next(model.parameters()).dtype
+    if gguf and dtype != torch.bfloat16:  # one line for the model, not one per linear
+        log.info("--weights %s: the GGUF kernels take bf16 models, this one is %s: its linears stay dense", weights,
+                 str(dtype).removeprefix("torch."))
+        report["kept"] = targets
+        return report
     for name in targets:
         linear = model.get_submodule(name)
         n, k = linear.weight.shape
