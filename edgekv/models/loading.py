@@ -50,8 +50,8 @@ class LoadedModel:
 
 def native_bf16(device: str) -> bool:
     """Whether `device` computes bf16 matmuls natively: a GPU that supports bf16, or a CPU whose instructions
-    oneDNN runs bf16 on (AVX-512 and later). On an AVX2-only CPU torch falls back to a slow path: a bf16 matmul
-    there took 50× a float32 one (`python -m bench.dtype_speed`, 2026-12-02)."""
+    oneDNN runs bf16 on (AVX-512 and later). On an AVX2-only CPU torch falls back to a slow path: the default pair's
+    256-token prefill took 4.8–5.8× float32's time there (`python -m bench.dtype_speed`, reports/dtype-speed/)."""
     if device.startswith("cuda"):
         return torch.cuda.is_bf16_supported()
     supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
