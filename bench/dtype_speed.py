@@ -14,29 +14,17 @@ import argparse
 import copy
 import gc
 import json
-import time
 from pathlib import Path
 
 import torch
 
+from bench.peer_llamacpp import _median  # a warm-up, then the median of `reps` calls
 from edgekv.atomic import write_text_atomic
 from edgekv.models.loading import load_model, native_bf16, resolve_dtype
-from edgekv.summary import median
 
 CONDITIONS = (("cloud", "default-cloud", "bfloat16", "bf16"), ("cloud", "default-cloud", "float32", "bf16"),
               ("edge", "default-edge", "bfloat16", "bf16"), ("edge", "default-edge", "float32", "bf16"),
               ("edge, gguf-q8 linears", "default-edge", "bfloat16", "gguf-q8"))
-
-
-def timed(fn, reps: int) -> float:
-    """Median seconds of `reps` calls after one warm-up call."""
-    fn()
-    seconds = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        seconds.append(time.perf_counter() - start)
-    return median(seconds)
 
 
 def measure(spec: str, dtype: str, weights: str, system: int, reps: int) -> dict:
@@ -52,10 +40,7 @@ def measure(spec: str, dtype: str, weights: str, system: int, reps: int) -> dict
         def step():
             model(ids[:, system:], cache=copy.deepcopy(cache), position_ids=torch.tensor([[system]]), logits_to_keep=1)
 
-        out = {"prefill_s": timed(prefill, reps), "decode_step_s": timed(step, reps)}
-    del model, cache
-    gc.collect()
-    return out
+        return {"prefill_s": _median(prefill, reps), "decode_step_s": _median(step, reps)}
 
 
 def main() -> None:
@@ -68,6 +53,7 @@ def main() -> None:
     for label, spec, dtype, weights in CONDITIONS:
         rows.append({"model": label, "dtype": dtype, "weights": weights,
                      **measure(spec, dtype, weights, args.system, args.reps)})
+        gc.collect()  # the model measured goes before the next one loads
         print(f"{label:24s} {dtype:9s} prefill {rows[-1]['prefill_s']:8.2f} s   "
               f"decode step {1000 * rows[-1]['decode_step_s']:9.1f} ms", flush=True)
     machine = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": native_bf16("cpu"),

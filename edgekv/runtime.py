@@ -1,4 +1,5 @@
-"""The process around the models: heap trimming, oneDNN's primitive cache, threads that leave no OpenMP pool."""
+"""The process around the models: heap trimming, oneDNN's primitive cache and bf16 kernels, threads that leave no
+OpenMP pool."""
 
 from __future__ import annotations
 
@@ -43,6 +44,14 @@ def limit_onednn_cache(capacity: int = ONEDNN_CACHE) -> None:
     (measured: reports/README). oneDNN reads the variable when it creates its first
     primitive, so call this before the process's first matmul; a value the user set is kept."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))
+
+
+def onednn_bf16() -> bool:
+    """Whether this CPU's oneDNN has bf16 kernels (AVX-512 and later): where bf16 matmuls are fast, and where
+    prepacked bf16 linears run."""
+    import torch
+
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def on_fresh_thread(fn: Callable[..., T], *args, **kwargs) -> T:

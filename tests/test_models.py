@@ -10,8 +10,8 @@ import torch
 from edgekv import EdgeKVError
 from edgekv.models import loading
 from edgekv.models.loading import check_tokenizers, load_model, parse_dtype, resolve_dtype
-from edgekv.models.settings import ModelSettings
 from edgekv.models.packaged import PackagedGGUF, assemble_gguf
+from edgekv.models.settings import ModelSettings
 from tests.helpers import byte_tokenizer
 
 

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from edgekv.models.prepack import PackedLinear, can_prepack, prepack_linears
+from edgekv.runtime import onednn_bf16
 from tests.helpers import tiny_qwen2
 
-needs_bf16 = pytest.mark.skipif(not (torch.backends.mkldnn.is_available()
-                                     and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+needs_bf16 = pytest.mark.skipif(not onednn_bf16(),
                                 reason="this CPU's oneDNN has no bf16 kernels (prepacking is then a no-op)")
 
 

@@ -21,6 +21,7 @@ from edgekv.models.packaged import (
     files_sha256,
 )
 from edgekv.models.structure import check_supported
+from edgekv.runtime import onednn_bf16
 
 log = logging.getLogger("edgekv")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -54,8 +55,7 @@ def native_bf16(device: str) -> bool:
     256-token prefill took 4.8–5.8× float32's time there (`python -m bench.dtype_speed`, reports/dtype-speed/)."""
     if device.startswith("cuda"):
         return torch.cuda.is_bf16_supported()
-    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    return supported is None or bool(supported())  # an older torch without the probe: as before, bf16
+    return onednn_bf16()
 
 
 def resolve_dtype(name: str, device: str | None = None) -> str:

@@ -17,7 +17,7 @@ import mmap
 import torch
 
 from edgekv.models.structure import decoder_layers
-from edgekv.runtime import libc
+from edgekv.runtime import libc, onednn_bf16
 
 
 class PackedLinear(torch.nn.Module):
@@ -68,8 +68,7 @@ def can_prepack(model: torch.nn.Module) -> bool:
         weight = next(decoder_layers(model).parameters())
     except StopIteration:
         return False
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and onednn_bf16()
 
 
 def prepack_linears(model: torch.nn.Module, rows_hint: int = 64, head: bool = True) -> int:
