@@ -3,9 +3,10 @@ chooses and why.
 
     python -m bench.dtype_speed [--system 256] [--reps 3] [--out reports/dtype-speed/NAME.json]
 
-Each model (the cloud, the edge, and the edge on its GGUF blocks as the main job runs it) in bfloat16 and float32:
-an S-token prefill (the last row's logits) and one decode step on that S-token cache. On a CPU with native bf16
-(AVX-512 and later) bf16 is the faster one; on an AVX2-only CPU torch computes bf16 matmuls on a slow path.
+Each model (the cloud, the edge, and the edge on its GGUF blocks as a bf16 run computes it) in bfloat16, float32 and
+mixed (float32 with bf16-held linear weights, models/mixed.py): an S-token prefill (the last row's logits) and one
+decode step on that S-token cache. On a CPU with native bf16 (AVX-512 and later) bf16 is the faster one; on an
+AVX2-only CPU torch computes bf16 matmuls on a slow path.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from edgekv.atomic import write_text_atomic
 from edgekv.models.loading import load_model, native_bf16, resolve_dtype
 
 CONDITIONS = (("cloud", "default-cloud", "bfloat16", "bf16"), ("cloud", "default-cloud", "float32", "bf16"),
+              ("cloud", "default-cloud", "mixed", "bf16"),
               ("edge", "default-edge", "bfloat16", "bf16"), ("edge", "default-edge", "float32", "bf16"),
+              ("edge", "default-edge", "mixed", "bf16"),
               ("edge, gguf-q8 linears", "default-edge", "bfloat16", "gguf-q8"))
 
 
@@ -58,17 +61,19 @@ def main() -> None:
               f"decode step {1000 * rows[-1]['decode_step_s']:9.1f} ms", flush=True)
     machine = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": native_bf16("cpu"),
                "auto": resolve_dtype("auto", "cpu"), "threads": torch.get_num_threads(), "torch": torch.__version__}
-    ratios = {}
+    ratios: dict[str, dict] = {}
     for label in ("cloud", "edge"):
-        bf, fp = (next(r for r in rows if r["model"] == label and r["dtype"] == d) for d in ("bfloat16", "float32"))
-        ratios[label] = {k: bf[k] / fp[k] for k in ("prefill_s", "decode_step_s")}
-        print(f"{label}: bfloat16 / float32 = {ratios[label]['prefill_s']:.2f}× prefill, "
-              f"{ratios[label]['decode_step_s']:.2f}× decode step")
+        fp = next(r for r in rows if r["model"] == label and r["dtype"] == "float32")
+        for dtype in ("bfloat16", "mixed"):
+            other = next(r for r in rows if r["model"] == label and r["dtype"] == dtype)
+            ratios.setdefault(dtype, {})[label] = {k: other[k] / fp[k] for k in ("prefill_s", "decode_step_s")}
+            print(f"{label}: {dtype} / float32 = {ratios[dtype][label]['prefill_s']:.2f}× prefill, "
+                  f"{ratios[dtype][label]['decode_step_s']:.2f}× decode step")
     print(f"this CPU: {machine['cpu_capability']}, native bf16 {machine['native_bf16']}, auto → {machine['auto']}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(Path(args.out), json.dumps({"machine": machine, "system_tokens": args.system,
-                                                      "reps": args.reps, "rows": rows, "bf16_over_fp32": ratios},
+                                                      "reps": args.reps, "rows": rows, "over_float32": ratios},
                                                      indent=1) + "\n")
 
 

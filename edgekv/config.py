@@ -45,8 +45,9 @@ def edge_setting(help: str = "Edge model: alias (default-edge), hub id, director
 
 def dtype_setting() -> Any:
     """The models' compute dtype."""
-    return setting("auto", "auto (bfloat16 where the device computes it natively, else float32), bfloat16, "
-                           "float16 or float32.")
+    return setting("auto", "auto (bfloat16 where the device computes it natively, else mixed on a CPU and float32 "
+                           "on a GPU), bfloat16, float16, float32 or mixed (float32 arithmetic, linear weights held "
+                           "in bf16: one-row decode steps multiply in bf16).")
 
 
 def device_setting() -> Any:

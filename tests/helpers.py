@@ -59,10 +59,10 @@ ARTICLE = ("The council approved a new cycle lane along the river on Tuesday aft
            "Residents said the lane would make the school run safer, while shop owners worried about parking. ")
 
 
-def make_export(edge_dir, out, start_layer=1, quant="fp32", system=SYSTEM, tar=False):
+def make_export(edge_dir, out, start_layer=1, quant="fp32", system=SYSTEM, tar=False, dtype="float32"):
     """A same-model export of `system` for the tiny edge."""
     from edgekv.kv.compress_job import CompressConfig, run_compress
 
-    run_compress(CompressConfig(out=str(out), cloud=edge_dir, edge=edge_dir, system_prompt=system, dtype="float32",
+    run_compress(CompressConfig(out=str(out), cloud=edge_dir, edge=edge_dir, system_prompt=system, dtype=dtype,
                                 quant=quant, start_layer=start_layer, tar=tar))
     return out

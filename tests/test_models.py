@@ -10,6 +10,7 @@ import torch
 from edgekv import EdgeKVError
 from edgekv.models import loading
 from edgekv.models.loading import check_tokenizers, load_model, parse_dtype, resolve_dtype
+from edgekv.models.mixed import BF16_ROWS, MixedLinear
 from edgekv.models.packaged import PackagedGGUF, assemble_gguf
 from edgekv.models.settings import ModelSettings
 from tests.helpers import byte_tokenizer
@@ -84,7 +85,7 @@ def test_files_record_the_model_cache_by_name_not_this_machines_path(monkeypatch
     assert seen(f"dir:{tmp_path}/mine") == f"dir:{tmp_path}/mine"
 
 
-@pytest.mark.parametrize("native, expected", [(True, "bfloat16"), (False, "float32")])
+@pytest.mark.parametrize("native, expected", [(True, "bfloat16"), (False, "mixed")])
 def test_auto_dtype_is_bf16_only_where_the_device_computes_it(monkeypatch, native, expected):
     monkeypatch.setattr(loading, "native_bf16", lambda device: native)
     assert resolve_dtype("auto") == expected
@@ -102,7 +103,7 @@ def test_bf16_without_native_support_is_kept_and_warned_once_at_load(monkeypatch
         assert not caplog.records  # a config read (a recipe recorded beside a run) loads no model: no warning
         for _ in range(2):
             assert next(load_model(tiny_models["edge"], "bfloat16").model.parameters()).dtype is torch.bfloat16
-    assert [r.getMessage().count("--dtype auto picks float32") for r in caplog.records] == [1]
+    assert [r.getMessage().count("--dtype auto picks mixed") for r in caplog.records] == [1]
     with pytest.raises(EdgeKVError, match="choose from auto, bfloat16"):
         ModelSettings(dtype="bf16").check_models()
 
@@ -112,3 +113,35 @@ def test_native_bf16_follows_the_cpu_probe(monkeypatch):
     assert not loading.native_bf16("cpu")
     monkeypatch.setattr(loading.torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True, raising=False)
     assert loading.native_bf16("cpu")
+
+
+def test_mixed_linear_prefills_in_float32_and_decodes_in_bf16():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48)
+    mixed = MixedLinear(linear)
+    assert mixed.weight.dtype is torch.bfloat16 and mixed.bias.dtype is torch.float32
+    rounded = torch.nn.Linear(64, 48)
+    with torch.no_grad():
+        rounded.weight.copy_(linear.weight.bfloat16().float())
+        rounded.bias.copy_(linear.bias)
+        many, one = torch.randn(2, BF16_ROWS // 2 + 1, 64), torch.randn(1, 1, 64)
+        assert torch.equal(mixed(many), rounded(many))  # a prefill: float32 on the bf16 weights, bit for bit
+        by_hand = torch.nn.functional.linear(one.bfloat16(), linear.weight.bfloat16()).float() + linear.bias
+        assert torch.equal(mixed(one), by_hand)  # a decode step: bf16 operands
+        few = torch.randn(BF16_ROWS, 64)  # a batched decode step of BF16_ROWS sequences: bf16 too
+        assert torch.equal(mixed(few), torch.nn.functional.linear(few.bfloat16(), mixed.weight).float() + linear.bias)
+        assert not torch.equal(mixed(one), rounded(one))
+        assert torch.allclose(mixed(one), rounded(one), rtol=0.02, atol=0.02)
+
+
+def test_mixed_dtype_loads_float32_with_bf16_linears(tiny_models):
+    mixed, plain = load_model(tiny_models["edge"], "mixed").model, load_model(tiny_models["edge"], "float32").model
+    linears = [m for m in plain.modules() if type(m) is torch.nn.Linear]
+    assert linears and not [m for m in mixed.modules() if type(m) is torch.nn.Linear]
+    assert sum(isinstance(m, MixedLinear) for m in mixed.modules()) == len(linears)
+    assert next(mixed.parameters()).dtype is torch.float32  # activations and the KV cache stay float32
+    with torch.no_grad():
+        for m in linears:
+            m.weight.copy_(m.weight.bfloat16().float())
+        ids = torch.arange(3, 3 + 7 * (BF16_ROWS + 4), 7)[None]  # a prompt longer than BF16_ROWS
+        assert torch.equal(mixed(ids).logits, plain(ids).logits)  # a prefill is float32 on the same weights

@@ -37,7 +37,17 @@ def _reference(edge, user, n):
 
 @pytest.mark.parametrize("start_layer", [0, 1, 2])
 def test_spliced_greedy_equals_generate_on_the_concatenation(edge, edge_dir, tmp_path, start_layer):
-    session = EdgeSession(edge, str(make_export(edge_dir, tmp_path / "kv", start_layer)), cache_dir=tmp_path / "c")
+    _check_splice(edge, make_export(edge_dir, tmp_path / "kv", start_layer), tmp_path, start_layer)
+
+
+def test_spliced_greedy_equals_generate_under_mixed_dtype(edge_dir, tmp_path):
+    # bf16-held weights: prompts prefill in float32, each decoded token in bf16, on both paths alike
+    edge = load_model(edge_dir, "mixed")
+    _check_splice(edge, make_export(edge_dir, tmp_path / "kv", 1, dtype="mixed"), tmp_path, 1)
+
+
+def _check_splice(edge, export, tmp_path, start_layer):
+    session = EdgeSession(edge, str(export), cache_dir=tmp_path / "c")
     assert session.system.start_layer == start_layer
     for user in USERS:
         want, logits = _reference(edge, user, 24)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from edgekv import EdgeKVError
+from edgekv.models.mixed import hold_linears_in_bf16
 from edgekv.models.packaged import (
     DEFAULT_MODELS,
     assemble_gguf,
@@ -24,7 +25,8 @@ from edgekv.models.structure import check_supported
 from edgekv.runtime import onednn_bf16
 
 log = logging.getLogger("edgekv")
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# mixed: float32 arithmetic, linear weights held in bf16 (models/mixed.py)
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "mixed": torch.float32}
 
 
 @dataclass
@@ -59,10 +61,12 @@ def native_bf16(device: str) -> bool:
 
 
 def resolve_dtype(name: str, device: str | None = None) -> str:
-    """A dtype name as a run records it: `auto` becomes bfloat16 where `device` computes it natively, else
-    float32; any other name is checked and kept (a one-line error for one that does not exist)."""
+    """A dtype name as a run records it: `auto` becomes bfloat16 where `device` computes it natively, else mixed
+    on a CPU (float32 with bf16-held linear weights, models/mixed.py) and float32 on a GPU; any other name is
+    checked and kept (a one-line error for one that does not exist)."""
     if name == "auto":
-        return "bfloat16" if native_bf16(resolve_device(device)) else "float32"
+        target = resolve_device(device)
+        return "bfloat16" if native_bf16(target) else "mixed" if target == "cpu" else "float32"
     if name not in DTYPES:
         raise EdgeKVError(f"unknown dtype '{name}' (choose from auto, {', '.join(DTYPES)})")
     return name
@@ -72,7 +76,7 @@ def resolve_dtype(name: str, device: str | None = None) -> str:
 def _warn_slow_bf16(device: str) -> None:
     """Once a process: a model loaded in bf16 where bf16 is slow (a run keeps the dtype its config names)."""
     log.warning("bfloat16 on this %s has no native bf16 (CPU capability %s): its matmuls run many times slower "
-                "than float32's; --dtype auto picks float32 here", device, torch.backends.cpu.get_cpu_capability())
+                "than float32's; --dtype auto picks mixed here", device, torch.backends.cpu.get_cpu_capability())
 
 
 def parse_dtype(name: str, device: str | None = None) -> torch.dtype:
@@ -221,7 +225,8 @@ def load_model(spec: str, dtype: str = "auto", device_map: str | None = None,
     from transformers import AutoModelForCausalLM
 
     target = resolve_device(device)
-    kwargs: dict = {"dtype": parse_dtype(dtype, target)}
+    dtype = resolve_dtype(dtype, target)
+    kwargs: dict = {"dtype": DTYPES[dtype]}
     if kwargs["dtype"] == torch.bfloat16 and not native_bf16(target):
         _warn_slow_bf16(target)
     if device_map:
@@ -237,6 +242,8 @@ def load_model(spec: str, dtype: str = "auto", device_map: str | None = None,
         quantization = quantize_linears(model, weights, _from_gguf(spec, r.source, weights))
         if weights not in GGUF_WEIGHTS:  # another model numerically: exports made by the bf16 model are refused
             fingerprint += f"+{weights}"
+    if dtype == "mixed":  # after --weights: a quantized linear keeps its own kernel
+        hold_linears_in_bf16(model)
     return LoadedModel(spec=spec, model=model, tokenizer=load_tokenizer(spec), source=r.source,
                        fingerprint=fingerprint, quantization=quantization)
 

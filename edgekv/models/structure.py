@@ -133,15 +133,17 @@ def kv_from_hidden(model: torch.nn.Module, layer_index: int, hidden: torch.Tenso
     layer = decoder_layers(model)[layer_index]
     attn = layer.self_attn
     _require_projections(attn, ("k_proj", "v_proj"))
-    # the projection's float tensor gives dtype and device (a quantized linear holds int buffers and its scales)
+    # the projection's float tensor gives the device, and the dtype unless the module computes in its own
+    # (a quantized linear holds int buffers and its scales; a MixedLinear holds bf16 and computes in float32)
     weight = next(t for t in (*attn.k_proj.parameters(), *attn.k_proj.buffers()) if t.is_floating_point())
+    dtype = getattr(attn.k_proj, "dtype", weight.dtype)
     norm = attention_input_norm(layer)
-    h = hidden.to(device=weight.device, dtype=weight.dtype)
+    h = hidden.to(device=weight.device, dtype=dtype)
     h = h if norm is None else norm(h[None])[0]
     _, kv_heads, _ = attn_shape(model)
     keys = split_heads(attn.k_proj(h).float(), kv_heads)
     if hasattr(attn, "k_norm"):  # Qwen3/Gemma3-style per-head key norm, before rotary
-        keys = attn.k_norm(keys.to(weight.dtype)).float()
+        keys = attn.k_norm(keys.to(dtype)).float()
     values = split_heads(attn.v_proj(h).float(), kv_heads)
     return apply_rotary(model, keys, start), values
 

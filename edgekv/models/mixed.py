@@ -1,0 +1,80 @@
+"""`--dtype mixed`: a float32 model whose linear weights are held in bf16, for CPUs without native bf16 (AVX2).
+
+There, bf16 matmuls of many rows run on a slow path (a 256-token prefill 4.5–5.6× float32's time,
+reports/dtype-speed/), but a decode step is memory-bound and bf16 reads half the bytes (0.45–0.50× float32's
+time). A `MixedLinear` therefore multiplies a call of few rows (a decode step, of one sequence or a small batch)
+in bf16 with float32 accumulation, and more rows (a prefill, a scored continuation) in float32 on its weight
+upcast for that call: prefill keeps float32's arithmetic and speed, decode gets bf16's bandwidth. Activations,
+norms, attention and the KV cache stay float32. The weights lose nothing where they are bf16 values already (the
+default pair: its cache is a bf16 copy of the GGUF); a float32 checkpoint is rounded to bf16 once, at load.
+
+A row's arithmetic depends on how many rows came with it: a decoded token is computed in bf16, the same token
+prefilled with others in float32. Both paths of a splice (system KV + user prompt, or the whole prompt at once)
+prefill their prompts and decode one token at a time, so they agree bit for bit when the user prompt has more
+than BF16_ROWS tokens, and within bf16's rounding when it is shorter.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from edgekv.models.prepack import page_out
+from edgekv.runtime import trim_heap
+
+# Rows a call may have to take the bf16 path: a decode step of up to 16 sequences, or a prompt that short. Measured
+# on eight 8960×1536 weights (AVX2, 2 threads, 2026-12-02, medians): bf16 17/30/53/101/202 ms at 1/2/4/8/16 rows,
+# float32 45/92/159/156/178, the float32 upcast 73/120/152/168/202 and at 32 rows 227 against bf16's 384.
+BF16_ROWS = 16
+# One float32 work copy per weight shape, reused by every linear of that shape: a fresh gigabyte-sized tensor per
+# call is fresh pages, and faulting them in made the cloud's 256-token prefill 1.37× float32's (2026-12-02, AVX2).
+_UPCAST: dict[tuple, torch.Tensor] = {}
+_UPCAST_LOCK = threading.Lock()  # a work copy is in use until its matmul returns (a server prefills off-thread)
+
+
+def _upcast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`weight` in `dtype`, written into the work copy kept for its shape (hold _UPCAST_LOCK while it is used)."""
+    key = (tuple(weight.shape), dtype, weight.device)
+    work = _UPCAST.get(key)
+    if work is None:
+        work = _UPCAST[key] = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+    return work.copy_(weight)
+
+
+class MixedLinear(torch.nn.Module):
+    """A linear layer of a float32 model with its weight held in bf16 (≤ BF16_ROWS rows: bf16; more: float32)."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features, self.dtype = linear.in_features, linear.out_features, torch.float32
+        # buffers, not parameters: the model's own dtype (its first parameter) stays float32
+        self.register_buffer("weight", linear.weight.detach().to(torch.bfloat16))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() <= BF16_ROWS * self.in_features:
+            y = F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
+            return y if self.bias is None else y + self.bias
+        if torch.is_grad_enabled() and x.requires_grad:  # autograd keeps the weight it multiplied: its own copy
+            return F.linear(x, self.weight.to(x.dtype), self.bias)
+        with _UPCAST_LOCK:  # nn.Linear's own call on the upcast weight
+            return F.linear(x, _upcast(self.weight, x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bf16 weight"
+
+
+@torch.no_grad()
+def hold_linears_in_bf16(model: torch.nn.Module) -> int:
+    """Replace every dense nn.Linear of a float32 model (decoder and LM head) by a MixedLinear, in place; the
+    number replaced. Quantized linears (`--weights`) are left as they are."""
+    names = [name for name, m in model.named_modules() if type(m) is torch.nn.Linear]
+    for name in names:
+        linear = model.get_submodule(name)
+        model.set_submodule(name, MixedLinear(linear))
+        page_out(linear.weight)  # mapped from the weights file: hand its pages back (a tied head's too)
+        del linear
+        trim_heap()
+    return len(names)
