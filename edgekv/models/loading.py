@@ -54,7 +54,8 @@ class LoadedModel:
 def native_bf16(device: str) -> bool:
     """Whether `device` computes bf16 matmuls natively: a GPU that supports bf16, or a CPU whose instructions
     oneDNN runs bf16 on (AVX-512 and later). On an AVX2-only CPU torch falls back to a slow path: the default pair's
-    256-token prefill took 4.8–5.8× float32's time there (`python -m bench.dtype_speed`, reports/dtype-speed/)."""
+    256-token prefill took 4.1–5.8× float32's time there in three runs (`python -m bench.dtype_speed`,
+    reports/dtype-speed/)."""
     if device.startswith("cuda"):
         return torch.cuda.is_bf16_supported()
     return onednn_bf16()

@@ -1,7 +1,7 @@
 """`--dtype mixed`: a float32 model whose linear weights are held in bf16, for CPUs without native bf16 (AVX2).
 
-There, bf16 matmuls of many rows run on a slow path (a 256-token prefill 4.5–5.6× float32's time,
-reports/dtype-speed/), but a decode step is memory-bound and bf16 reads half the bytes (0.45–0.50× float32's
+There, bf16 matmuls of many rows run on a slow path (a 256-token prefill 4.1–5.8× float32's time in three runs,
+reports/dtype-speed/), but a decode step is memory-bound and bf16 reads half the bytes (0.45–0.57× float32's
 time). A `MixedLinear` therefore multiplies a call of few rows (a decode step, of one sequence or a small batch)
 in bf16 with float32 accumulation, and more rows (a prefill, a scored continuation) in float32 on its weight
 upcast for that call: prefill keeps float32's arithmetic and speed, decode gets bf16's bandwidth. Activations,
