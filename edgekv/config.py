@@ -47,7 +47,7 @@ def dtype_setting() -> Any:
     """The models' compute dtype."""
     return setting("auto", "auto (bfloat16 where the device computes it natively, else mixed on a CPU and float32 "
                            "on a GPU), bfloat16, float16, float32 or mixed (float32 arithmetic, linear weights held "
-                           "in bf16: one-row decode steps multiply in bf16).")
+                           "in bf16: calls of up to 16 rows, decode steps, multiply in bf16).")
 
 
 def device_setting() -> Any:

@@ -9,7 +9,7 @@ import torch
 
 from edgekv import EdgeKVError
 from edgekv.models import loading
-from edgekv.models.loading import check_tokenizers, load_model, parse_dtype, resolve_dtype
+from edgekv.models.loading import check_tokenizers, load_model, resolve_dtype
 from edgekv.models.mixed import BF16_ROWS, MixedLinear
 from edgekv.models.packaged import PackagedGGUF, assemble_gguf
 from edgekv.models.settings import ModelSettings
@@ -61,7 +61,7 @@ def test_tokenizer_check():
 
 def test_bad_specs(tmp_path):
     with pytest.raises(EdgeKVError, match="unknown dtype"):
-        parse_dtype("float8")
+        resolve_dtype("float8")
     with pytest.raises(EdgeKVError, match="model file not found"):
         load_model(str(tmp_path / "missing.gguf"))
     (tmp_path / "weights.bin").write_bytes(b"x")

@@ -80,11 +80,6 @@ def _warn_slow_bf16(device: str) -> None:
                 "than float32's; --dtype auto picks mixed here", device, torch.backends.cpu.get_cpu_capability())
 
 
-def parse_dtype(name: str, device: str | None = None) -> torch.dtype:
-    """Map a dtype name (or `auto`, resolved for `device`) to torch; one-line error for anything else."""
-    return DTYPES[resolve_dtype(name, device)]
-
-
 _DIR_IDENTITY = ("config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                  "tokenizer.model")
 

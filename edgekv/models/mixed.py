@@ -48,7 +48,8 @@ class MixedLinear(torch.nn.Module):
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
-        self.in_features, self.out_features, self.dtype = linear.in_features, linear.out_features, torch.float32
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.compute_dtype = torch.float32  # what kv_from_hidden feeds it (its first float tensor is bf16)
         # buffers, not parameters: the model's own dtype (its first parameter) stays float32
         self.register_buffer("weight", linear.weight.detach().to(torch.bfloat16))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())

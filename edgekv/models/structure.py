@@ -133,10 +133,10 @@ def kv_from_hidden(model: torch.nn.Module, layer_index: int, hidden: torch.Tenso
     layer = decoder_layers(model)[layer_index]
     attn = layer.self_attn
     _require_projections(attn, ("k_proj", "v_proj"))
-    # the projection's float tensor gives the device, and the dtype unless the module computes in its own
-    # (a quantized linear holds int buffers and its scales; a MixedLinear holds bf16 and computes in float32)
+    # the projection's float tensor gives the device, and the dtype unless the module says it computes in
+    # another (a quantized linear holds int buffers and its scales; a MixedLinear holds bf16, computes in float32)
     weight = next(t for t in (*attn.k_proj.parameters(), *attn.k_proj.buffers()) if t.is_floating_point())
-    dtype = getattr(attn.k_proj, "dtype", weight.dtype)
+    dtype = getattr(attn.k_proj, "compute_dtype", weight.dtype)
     norm = attention_input_norm(layer)
     h = hidden.to(device=weight.device, dtype=dtype)
     h = h if norm is None else norm(h[None])[0]
