@@ -254,3 +254,31 @@ def test_splice_auto_takes_the_shipped_fuser_of_this_pair_only(tmp_path, monkeyp
     assert (asked.splice, asked.translator) == ("replace", "hidden")  # an explicit translator wins
     same = resolve_splice(base, cloud, edge, same=True)
     assert (same.splice, same.translator) == ("replace", "ridge")
+
+
+def test_exports_of_one_prompt_share_the_clouds_forward(tiny_models, calib_file, tmp_path):
+    """A second export of the same prompt by the same cloud (ce-lslm-fuse after ce-lslm in an eval) reuses its
+    capture: the same bytes, one prompt forward, and the reused seconds reported, not hidden."""
+    cloud, edge = load_model(tiny_models["cloud"], "float32"), load_model(tiny_models["edge"], "float32")
+    prompt_len = len(edge.tokenizer(PROMPT)["input_ids"])
+    lengths = []
+    hook = cloud.model.register_forward_pre_hook(lambda m, a, kw: lengths.append(kw["input_ids"].shape[1]),
+                                                 with_kwargs=True)
+
+    def compress(out, prompt=PROMPT):
+        cfg = CompressConfig(out=str(tmp_path / out), cloud=tiny_models["cloud"], edge=tiny_models["edge"],
+                             system_prompt=prompt, dtype="float32", calib=str(calib_file), calib_tokens=40,
+                             map_on="edge", translator="hidden", quant="int8", start_layer=1)
+        return run_compress(cfg, models=(cloud, edge))
+
+    try:
+        first, second = compress("a"), compress("b")
+        other = compress("c", prompt=PROMPT + " And one more sentence.")
+    finally:
+        hook.remove()
+    assert lengths.count(prompt_len) == 1
+    assert "cached_cloud_forward_s" not in first["timings"] and "cached_cloud_forward_s" not in other["timings"]
+    assert second["timings"]["cached_cloud_forward_s"] > 0
+    for f in sorted((tmp_path / "a").iterdir()):
+        if f.name != "report.json":  # which names its own out and timings
+            assert f.read_bytes() == (tmp_path / "b" / f.name).read_bytes(), f.name

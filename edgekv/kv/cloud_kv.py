@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,13 +104,36 @@ def get_translator(cfg: Any, cloud: LoadedModel, edge: LoadedModel, pairs: list[
     return TRANSLATORS[cfg.translator]().fit(cloud_cal, edge_cal, pairs, edge.model), edge_cal
 
 
+_PROMPT_CACHE: dict[tuple, tuple] = {}
+
+
+def _cloud_prompt(cloud: LoadedModel, ids: torch.Tensor, features: tuple[str, ...], tasks: Tasks):
+    """The cloud's capture of a system prompt and the seconds it took, kept for the last prompt: strategies whose
+    translators read the same features of the same prompt (ce-lslm and ce-lslm-fuse both read `hidden_in`)
+    share one forward. Returns (activations, seconds, cached)."""
+    key = (id(cloud.model), cloud.fingerprint, hashlib.sha256(ids.numpy().tobytes()).hexdigest(), features)
+    hit = _PROMPT_CACHE.get(key)
+    if hit is not None and hit[0]() is cloud.model:  # the same live model, not a new one at a reused id
+        return hit[1], hit[2], True
+    start = time.perf_counter()
+    acts = capture(cloud.model, [ids], features, on_text=tasks.task("system prompt: cloud forward", 1))
+    seconds = time.perf_counter() - start
+    _PROMPT_CACHE.clear()  # keep one prompt: the eval makes a prompt's exports one after another
+    _PROMPT_CACHE[key] = weakref.ref(cloud.model), acts, seconds
+    return acts, seconds, False
+
+
 def heterogeneous_layers(cloud: LoadedModel, edge: LoadedModel, ids: torch.Tensor, translator: Translator,
-                         edge_cal, cfg: Any, tasks: Tasks | None = None) -> list[LayerKV]:
+                         edge_cal, cfg: Any, tasks: Tasks | None = None,
+                         timings: dict | None = None) -> list[LayerKV]:
     """What is shipped for each of the translator's pairs: edge-shaped KV (map on the cloud) or the cloud-space
-    features the edge's translator needs (map on the edge), with the queries that score key channels."""
+    features the edge's translator needs (map on the edge), with the queries that score key channels. A forward
+    reused from an earlier export of the same prompt puts its seconds in `timings["cached_cloud_forward_s"]`."""
     tasks = tasks or Tasks()
     features = (*translator.features, "q_unrot")
-    cloud_prompt = capture(cloud.model, [ids], features, on_text=tasks.task("system prompt: cloud forward", 1))
+    cloud_prompt, seconds, cached = _cloud_prompt(cloud, ids, features, tasks)
+    if cached and timings is not None:
+        timings["cached_cloud_forward_s"] = seconds
     c_heads, c_kv, _ = attn_shape(cloud.model)
     e_heads, _, _ = attn_shape(edge.model)
     # edge-space scoring queries come from calibration (the cloud never runs the edge on the prompt):
@@ -161,7 +185,7 @@ def cloud_side(cfg: Any, cloud: LoadedModel, edge: LoadedModel, ids: torch.Tenso
             translator.keep_layers(i for i, _ in pairs)
             mapping_source = f"pairs of translator {cfg.translator_path}"
         timings["calibration_s"] = time.perf_counter() - start
-        layers = heterogeneous_layers(cloud, edge, ids, translator, edge_cal, cfg, tasks)
+        layers = heterogeneous_layers(cloud, edge, ids, translator, edge_cal, cfg, tasks, timings)
         # a fuser's gates run on the edge either way; its maps only where the edge applies them
         shipped = translator.gates_only() if cfg.splice == "fuse" and cfg.map_on == "cloud" else translator
         files = translator_files(shipped, cloud.fingerprint, edge.fingerprint)
