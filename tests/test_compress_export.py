@@ -282,3 +282,35 @@ def test_exports_of_one_prompt_share_the_clouds_forward(tiny_models, calib_file,
     for f in sorted((tmp_path / "a").iterdir()):
         if f.name != "report.json":  # which names its own out and timings
             assert f.read_bytes() == (tmp_path / "b" / f.name).read_bytes(), f.name
+
+
+def test_a_fitted_translators_edge_queries_are_kept_for_its_exports(tiny_models, calib_file, tmp_path):
+    """The eval fits the translator, then exports with it saved: the edge's calibration forward runs once."""
+    from dataclasses import replace
+
+    from edgekv.align.mapping import layer_pairs
+    from edgekv.kv import cloud_kv
+    from edgekv.kv.registry import save_translator
+    from edgekv.progress import Tasks
+
+    cloud, edge = load_model(tiny_models["cloud"], "float32"), load_model(tiny_models["edge"], "float32")
+    cfg = CompressConfig(out=str(tmp_path / "o"), cloud=tiny_models["cloud"], edge=tiny_models["edge"],
+                         system_prompt=PROMPT, dtype="float32", calib=str(calib_file), calib_tokens=40,
+                         translator="hidden", start_layer=1)
+    calib = cloud_kv.calibration(cfg, edge.tokenizer)
+    pairs, _ = layer_pairs(None, 1, cloud.num_layers, edge.num_layers)
+    cloud_kv._QUERY_CACHE.clear()
+    forwards = []
+    hook = edge.model.register_forward_pre_hook(lambda m, a, kw: forwards.append(1), with_kwargs=True)
+    try:
+        translator, fitted = cloud_kv.get_translator(cfg, cloud, edge, pairs, calib, Tasks())
+        save_translator(translator, tmp_path / "t", cloud.fingerprint, edge.fingerprint)
+        _, kept = cloud_kv.get_translator(replace(cfg, translator_path=str(tmp_path / "t")), cloud, edge, pairs,
+                                          calib, Tasks())
+    finally:
+        hook.remove()
+    assert len(forwards) == len(calib)
+    assert set(kept.layers) == {"q"} and all(torch.equal(a, b) for a, b in zip(kept.layers["q"], fitted.layers["q"]))
+    cloud_kv._QUERY_CACHE.clear()
+    fresh = cloud_kv._edge_queries(edge, calib, Tasks())
+    assert all(torch.equal(a, b) for a, b in zip(kept.layers["q"], fresh.layers["q"]))

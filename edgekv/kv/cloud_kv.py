@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -77,14 +77,16 @@ def calibration(cfg: Any, tokenizer) -> list[torch.Tensor]:
 _QUERY_CACHE: dict[tuple, object] = {}
 
 
-def _edge_queries(edge: LoadedModel, calib: list[torch.Tensor], tasks: Tasks):
+def _edge_queries(edge: LoadedModel, calib: list[torch.Tensor], tasks: Tasks, captured=None):
     """The edge's calibration queries (ThinK scoring for edge-shaped exports), captured once per process for the
-    same model and texts: a process that compresses many prompts (edgekv eval) pays for them once."""
+    same model and texts: a process that compresses many prompts (edgekv eval) pays for them once. `captured`:
+    a capture of these texts that holds "q" already (a translator's fit), kept instead of a second forward."""
     digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in calib)).hexdigest()
     key = (edge.fingerprint, digest)
     if key not in _QUERY_CACHE:
         _QUERY_CACHE.clear()  # keep one entry: the captures are tens of MB
-        _QUERY_CACHE[key] = capture(edge.model, calib, ("q",), on_text=tasks.task("calibration: edge", len(calib)))
+        _QUERY_CACHE[key] = (replace(captured, layers={"q": captured.layers["q"]}) if captured is not None else
+                             capture(edge.model, calib, ("q",), on_text=tasks.task("calibration: edge", len(calib))))
     return _QUERY_CACHE[key]
 
 
@@ -99,6 +101,7 @@ def get_translator(cfg: Any, cloud: LoadedModel, edge: LoadedModel, pairs: list[
         return translator, _edge_queries(edge, calib, tasks)
     edge_cal = capture(edge.model, calib, ("q", *TRANSLATORS[cfg.translator].features),
                        on_text=tasks.task("calibration: edge", len(calib)))
+    _edge_queries(edge, calib, tasks, edge_cal)  # later exports with the saved translator score with these
     cloud_cal = capture(cloud.model, calib, TRANSLATORS[cfg.translator].features,
                         on_text=tasks.task("calibration: cloud", len(calib)))
     return TRANSLATORS[cfg.translator]().fit(cloud_cal, edge_cal, pairs, edge.model), edge_cal
