@@ -572,3 +572,19 @@ def test_distill_summary_pairs_and_gap_closed():
         warnings.simplefilter("error")  # no gap: undefined, with neither an error nor a numpy warning
         none = gap_closed([1.0, 2.0], [1.0, 2.0], [1.0, 2.0])
     assert all(math.isnan(none[k]) for k in ("fraction", "ci95_lo", "ci95_hi"))
+
+
+def test_the_align_an_eval_runs_first_compares_its_models_in_its_dtype(tiny_models, data, align_dir, tmp_path):
+    """An align config naming other models or another dtype does not decide the mapping the eval's pair uses."""
+    _, calib = align_dir
+    config = tmp_path / "align.yaml"
+    config.write_text(f"cloud: default-cloud\nedge: default-edge\ndtype: bfloat16\nalign:\n  texts: {calib}\n"
+                      "  max_tokens: 40\n  start_layer: 1\n  outlier_ratio: null\n")
+    made = tmp_path / "align-made"
+    cfg = _cfg(tiny_models, data, align_dir, tmp_path / "run", strategies=["ce-lslm"], datasets=["xsum"], limit=1,
+               align_config=str(config))
+    cfg.align_dir = str(made)
+    run_eval(cfg)
+    settings = json.loads((made / "config.json").read_text())
+    assert (settings["cloud"], settings["edge"], settings["dtype"]) == (tiny_models["cloud"], tiny_models["edge"],
+                                                                        "float32")

@@ -79,7 +79,9 @@ class Artefacts:
             from edgekv.config import load_config
 
             log.info("no %s/mapping.json: running `edgekv align` first", align_dir)
-            acfg = load_config(AlignConfig, "align", self.cfg.align_config, {"out": str(align_dir)})
+            c = self.cfg  # the eval's models, dtype and device, whatever the align config names: the mapping is theirs
+            models = {"cloud": c.cloud, "edge": c.edge, "dtype": c.dtype, "device": c.device}
+            acfg = load_config(AlignConfig, "align", c.align_config, {"out": str(align_dir), **models})
             run_align(acfg, self.tasks.progress)
         if variant in ("", "similarity"):
             return str(align_dir / "mapping.json")
