@@ -59,6 +59,22 @@ def test_tokenizer_check():
         check_tokenizers(byte_tokenizer(), byte_tokenizer(permute=True))
 
 
+def test_tokenizer_check_remembers_agreeing_objects_only():
+    """A pair found to agree is not compared again; a refused pair is refused every time; a new object is checked."""
+    a, b, bad = byte_tokenizer(), byte_tokenizer(), byte_tokenizer(permute=True)
+    calls = []
+    real = a.get_vocab
+    a.get_vocab = lambda: calls.append(1) or real()
+    check_tokenizers(a, b)
+    check_tokenizers(a, b)
+    assert len(calls) == 1
+    for _ in range(2):
+        with pytest.raises(EdgeKVError, match="vocabularies differ"):
+            check_tokenizers(a, bad)
+    check_tokenizers(a, byte_tokenizer())
+    assert len(calls) == 4
+
+
 def test_bad_specs(tmp_path):
     with pytest.raises(EdgeKVError, match="unknown dtype"):
         resolve_dtype("float8")
