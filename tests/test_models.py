@@ -74,6 +74,17 @@ def test_tokenizer_check_remembers_agreeing_objects_only():
     check_tokenizers(a, byte_tokenizer())
     assert len(calls) == 4
 
+    class Unhashable:  # __eq__ without __hash__: checked every time, never an error of its own
+        __eq__ = object.__eq__
+        __hash__ = None
+
+        def __init__(self, tok):
+            self.get_vocab, self.encode = tok.get_vocab, tok.encode
+
+    check_tokenizers(Unhashable(byte_tokenizer()), Unhashable(byte_tokenizer()))
+    with pytest.raises(EdgeKVError, match="vocabularies differ"):
+        check_tokenizers(Unhashable(byte_tokenizer()), Unhashable(bad))
+
 
 def test_bad_specs(tmp_path):
     with pytest.raises(EdgeKVError, match="unknown dtype"):

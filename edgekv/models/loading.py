@@ -280,7 +280,9 @@ _AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def check_tokenizers(a: object, b: object, probe: str = PROBE_TEXT) -> None:
     """Refuse a pair whose tokenizers differ in vocabulary or in the ids they give a probe text."""
-    if probe == PROBE_TEXT and b in _AGREED.get(a, ()):
+    remember = probe == PROBE_TEXT and getattr(a, "__hash__", None) is not None and \
+        getattr(b, "__hash__", None) is not None  # a class with __eq__ but no __hash__ is checked every time
+    if remember and b in _AGREED.get(a, ()):
         return
     va, vb = a.get_vocab(), b.get_vocab()
     if va != vb:
@@ -293,7 +295,7 @@ def check_tokenizers(a: object, b: object, probe: str = PROBE_TEXT) -> None:
     if ids_a != ids_b:
         raise EdgeKVError(f"incompatible tokenizers: the same probe text encodes to different ids "
                           f"({type(a).__name__} vs {type(b).__name__})")
-    if probe == PROBE_TEXT:
+    if remember:
         _AGREED.setdefault(a, weakref.WeakSet()).add(b)
 
 
