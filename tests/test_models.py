@@ -10,7 +10,7 @@ import torch
 from edgekv import EdgeKVError
 from edgekv.models import loading
 from edgekv.models.loading import check_tokenizers, load_model, resolve_dtype
-from edgekv.models.mixed import BF16_ROWS, MixedLinear
+from edgekv.models.mixed import BF16_ROWS, CHUNK, MixedLinear
 from edgekv.models.packaged import PackagedGGUF, assemble_gguf
 from edgekv.models.settings import ModelSettings
 from tests.helpers import byte_tokenizer
@@ -159,6 +159,18 @@ def test_mixed_linear_prefills_in_float32_and_decodes_in_bf16():
         assert torch.equal(mixed(few), torch.nn.functional.linear(few.bfloat16(), mixed.weight).float() + linear.bias)
         assert not torch.equal(mixed(one), rounded(one))
         assert torch.allclose(mixed(one), rounded(one), rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_mixed_linear_upcasts_tile_by_tile_bit_for_bit(bias):
+    """More output rows than one upcast tile (CHUNK): the tiles' products are nn.Linear's on the rounded weight."""
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(96, 2 * CHUNK + 77, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(linear.weight.bfloat16().float())
+        x = torch.randn(3, 20, 96)
+        assert torch.equal(MixedLinear(linear)(x), linear(x))
+        assert torch.equal(MixedLinear(linear)(x[:, ::2]), linear(x[:, ::2]))  # a strided input
 
 
 def test_mixed_dtype_loads_float32_with_bf16_linears(tiny_models):

@@ -4,7 +4,8 @@ There, bf16 matmuls of many rows run on a slow path (a 256-token prefill 4.1–5
 reports/dtype-speed/), but a decode step is memory-bound and bf16 reads half the bytes (0.45–0.57× float32's
 time). A `MixedLinear` therefore multiplies a call of few rows (a decode step, of one sequence or a small batch)
 in bf16 with float32 accumulation, and more rows (a prefill, a scored continuation) in float32 on its weight
-upcast for that call: prefill keeps float32's arithmetic and speed, decode gets bf16's bandwidth. Activations,
+upcast a tile at a time for that call: prefill keeps float32's arithmetic (and speed, or better), decode gets
+bf16's bandwidth. Activations,
 norms, attention and the KV cache stay float32. The weights lose nothing where they are bf16 values already (the
 default pair: its cache is a bf16 copy of the GGUF); a float32 checkpoint is rounded to bf16 once, at load.
 
@@ -28,19 +29,32 @@ from edgekv.runtime import trim_heap
 # on eight 8960×1536 weights (AVX2, 2 threads, 2026-12-02, medians): bf16 17/30/53/101/202 ms at 1/2/4/8/16 rows,
 # float32 45/92/159/156/178, the float32 upcast 73/120/152/168/202 and at 32 rows 227 against bf16's 384.
 BF16_ROWS = 16
-# One float32 work copy per weight shape, reused by every linear of that shape: a fresh gigabyte-sized tensor per
-# call is fresh pages, and faulting them in made the cloud's 256-token prefill 1.37× float32's (2026-12-02, AVX2).
-_UPCAST: dict[tuple, torch.Tensor] = {}
-_UPCAST_LOCK = threading.Lock()  # a work copy is in use until its matmul returns (a server prefills off-thread)
+# More rows multiply in float32 on the weight upcast CHUNK output rows at a time into a small per-thread buffer: the
+# tile is read back from cache, not memory. On eight 8960×1536 / 1536×8960 weights (AVX2, 2 threads, 2026-12-02,
+# medians of 5) that took 0.53–1.05× float32's own time at 17–512 rows, bit for bit the same; the whole weight upcast
+# into one work copy per shape (the rule before) took 1.00–1.49×, and the copies held 1.6 GB for the default pair.
+CHUNK = 512
+_BUFFERS = threading.local()  # per thread: a server prefills off-thread, and a shared buffer would need a lock
 
 
-def _upcast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`weight` in `dtype`, written into the work copy kept for its shape (hold _UPCAST_LOCK while it is used)."""
-    key = (tuple(weight.shape), dtype, weight.device)
-    work = _UPCAST.get(key)
-    if work is None:
-        work = _UPCAST[key] = torch.empty(weight.shape, dtype=dtype, device=weight.device)
-    return work.copy_(weight)
+def _chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x (rows, in) in x's dtype, `weight` (out, in) upcast CHUNK rows at a time."""
+    buffers = getattr(_BUFFERS, "by_shape", None)
+    if buffers is None:
+        buffers = _BUFFERS.by_shape = {}
+    key = (weight.shape[1], x.dtype, x.device)
+    tile = buffers.get(key)
+    if tile is None:
+        tile = buffers[key] = torch.empty(CHUNK, weight.shape[1], dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    for i in range(0, weight.shape[0], CHUNK):
+        n = min(CHUNK, weight.shape[0] - i)
+        w = tile[:n].copy_(weight[i:i + n]).t()
+        if bias is None:
+            torch.mm(x, w, out=out[:, i:i + n])
+        else:  # addmm, as F.linear computes a biased call
+            torch.addmm(bias[i:i + n], x, w, out=out[:, i:i + n])
+    return out
 
 
 class MixedLinear(torch.nn.Module):
@@ -60,8 +74,8 @@ class MixedLinear(torch.nn.Module):
             return y if self.bias is None else y + self.bias
         if torch.is_grad_enabled() and x.requires_grad:  # autograd keeps the weight it multiplied: its own copy
             return F.linear(x, self.weight.to(x.dtype), self.bias)
-        with _UPCAST_LOCK:  # nn.Linear's own call on the upcast weight
-            return F.linear(x, _upcast(self.weight, x.dtype), self.bias)
+        y = _chunked_linear(x.reshape(-1, self.in_features), self.weight, self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bf16 weight"
