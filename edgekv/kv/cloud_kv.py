@@ -114,9 +114,9 @@ def _cloud_prompt(cloud: LoadedModel, ids: torch.Tensor, features: tuple[str, ..
     """The cloud's capture of a system prompt and the seconds it took, kept for the last prompt: strategies whose
     translators read the same features of the same prompt (ce-lslm and ce-lslm-fuse both read `hidden_in`)
     share one forward. Returns (activations, seconds, cached)."""
-    key = (id(cloud.model), cloud.fingerprint, hashlib.sha256(ids.numpy().tobytes()).hexdigest(), features)
+    key = (hashlib.sha256(ids.numpy().tobytes()).hexdigest(), features)
     hit = _PROMPT_CACHE.get(key)
-    if hit is not None and hit[0]() is cloud.model:  # the same live model, not a new one at a reused id
+    if hit is not None and hit[0]() is cloud.model:  # the same live model object
         return hit[1], hit[2], True
     start = time.perf_counter()
     acts = capture(cloud.model, [ids], features, on_text=tasks.task("system prompt: cloud forward", 1))

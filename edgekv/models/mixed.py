@@ -1,13 +1,13 @@
 """`--dtype mixed`: a float32 model whose linear weights are held in bf16, for CPUs without native bf16 (AVX2).
 
 There, bf16 matmuls of many rows run on a slow path (a 256-token prefill 4.1–5.8× float32's time in three runs,
-reports/dtype-speed/), but a decode step is memory-bound and bf16 reads half the bytes (0.45–0.57× float32's
-time). A `MixedLinear` therefore multiplies a call of few rows (a decode step, of one sequence or a small batch)
-in bf16 with float32 accumulation, and more rows (a prefill, a scored continuation) in float32 on its weight
-upcast a tile at a time for that call: prefill keeps float32's arithmetic (and speed, or better), decode gets
-bf16's bandwidth. Activations,
-norms, attention and the KV cache stay float32. The weights lose nothing where they are bf16 values already (the
-default pair: its cache is a bf16 copy of the GGUF); a float32 checkpoint is rounded to bf16 once, at load.
+reports/dtype-speed/), but a decode step is memory-bound and bf16 reads half the bytes (0.45–0.57× float32's time).
+A `MixedLinear` therefore multiplies a call of few rows (a decode step, of one sequence or a small batch) in bf16
+with float32 accumulation, and more rows (a prefill, a scored continuation) in float32 on its weight upcast a tile
+at a time for that call: prefill keeps float32's arithmetic (and speed, or better), decode gets bf16's bandwidth.
+Activations, norms, attention and the KV cache stay float32. The weights lose nothing where they are bf16 values
+already (the default pair: its cache is a bf16 copy of the GGUF); a float32 checkpoint is rounded to bf16 once, at
+load.
 
 A row's arithmetic depends on how many rows came with it: a decoded token is computed in bf16, the same token
 prefilled with others in float32. Both paths of a splice (system KV + user prompt, or the whole prompt at once)
@@ -34,18 +34,25 @@ BF16_ROWS = 16
 # medians of 5) that took 0.53–1.05× float32's own time at 17–512 rows, bit for bit the same; the whole weight upcast
 # into one work copy per shape (the rule before) took 1.00–1.49×, and the copies held 1.6 GB for the default pair.
 CHUNK = 512
-_BUFFERS = threading.local()  # per thread: a server prefills off-thread, and a shared buffer would need a lock
+
+
+class _Tiles(threading.local):
+    """Each thread's upcast tiles by (in_features, dtype, device): a server prefills off-thread, and a shared tile
+    would need a lock."""
+
+    def __init__(self):
+        self.by_shape: dict[tuple, torch.Tensor] = {}
+
+
+_TILES = _Tiles()
 
 
 def _chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x (rows, in) in x's dtype, `weight` (out, in) upcast CHUNK rows at a time."""
-    buffers = getattr(_BUFFERS, "by_shape", None)
-    if buffers is None:
-        buffers = _BUFFERS.by_shape = {}
     key = (weight.shape[1], x.dtype, x.device)
-    tile = buffers.get(key)
+    tile = _TILES.by_shape.get(key)
     if tile is None:
-        tile = buffers[key] = torch.empty(CHUNK, weight.shape[1], dtype=x.dtype, device=x.device)
+        tile = _TILES.by_shape[key] = torch.empty(CHUNK, weight.shape[1], dtype=x.dtype, device=x.device)
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     for i in range(0, weight.shape[0], CHUNK):
         n = min(CHUNK, weight.shape[0] - i)
