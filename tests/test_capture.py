@@ -76,3 +76,19 @@ def test_queries_match_attention_internals():
     logits = (q @ k.transpose(1, 2)) / 8 ** 0.5
     logits = logits + torch.triu(torch.full((9, 9), float("-inf")), diagonal=1)
     assert torch.allclose(torch.softmax(logits, -1), out.attentions[0][0], atol=1e-5)
+
+
+def test_head_runs_on_one_row_unless_the_logits_are_read():
+    """The LM head is 15-28 % of a prefill over a real vocabulary: capture asks for one row of logits unless an
+    `on_output` caller reads them, and then for every row."""
+    model = tiny_qwen2(2, 32, 4, 2, seed=0)
+    seq = torch.randint(0, 256, (9,))
+    rows = []
+    handle = model.lm_head.register_forward_hook(lambda m, i, o: rows.append(o.shape[-2]))
+    plain = capture(model, [seq], ("hidden",))
+    seen = []
+    read = capture(model, [seq], ("hidden",), on_output=lambda t, out: seen.append(out.logits[0]))
+    handle.remove()
+    assert rows == [1, 9]
+    assert seen[0].shape == (9, model.config.vocab_size)
+    assert torch.equal(plain.layers["hidden"][1], read.layers["hidden"][1])

@@ -5,7 +5,7 @@ import torch
 
 from bench.fidelity_harness import evaluate_text, summarize
 from edgekv.attention.merge import merge_attention
-from edgekv.attention.prefix_kv import PrefixKV, continuation_logits
+from edgekv.attention.prefix_kv import PrefixKV, continuation_logits, continuation_nll
 from edgekv.kv.translators import HiddenTranslator, RidgeMap, RidgeTranslator, kv_from_hidden
 from edgekv.models.capture import capture
 from edgekv.models.loading import load_model
@@ -52,6 +52,21 @@ def test_splicing_own_kv_reproduces_full_prefill():
         base.replaced({1: (own[1][0][:, :5], own[1][1][:, :5])})
     with pytest.raises(RuntimeError, match="read-only"):
         model(ids[None, 12:], cache=base, position_ids=torch.arange(12, 20)[None])
+
+
+def test_continuation_nll_is_the_full_forwards_nll():
+    """The reference NLL asks the head for the scored rows only; it is the NLL a full forward's logits give."""
+    model = tiny_qwen2(3, 32, 4, 2, seed=0).float()
+    ids = torch.randint(0, 256, (24,))
+    logits = model(ids[None]).logits[0].float()
+    want = -torch.log_softmax(logits[15:23], -1).gather(-1, ids[16:24, None]).mean()
+    rows = []
+    handle = model.lm_head.register_forward_hook(lambda m, i, o: rows.append(o.shape[-2]))
+    got = continuation_nll(model, PrefixKV.of_model(model, ids[:10]), ids[10:16], ids[16:24])
+    handle.remove()
+    assert rows[-1] == 8  # the 8 scored rows, not the user prompt's 6 before them
+    assert got.item() == pytest.approx(want.item(), abs=1e-5)
+    assert abs(got.item() - continuation_nll(model, PrefixKV.of_model(model, ids[:10]), ids[10:15], ids[16:24])) > 1e-3
 
 
 def test_hidden_translator_with_identity_map_reproduces_edge_kv():

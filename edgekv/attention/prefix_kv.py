@@ -260,7 +260,8 @@ def packed_continuation_logits(model: torch.nn.Module, prefix: PrefixKV, seqs: l
 def continuation_nll(model: torch.nn.Module, prefix: PrefixKV, user: torch.Tensor,
                      continuation: torch.Tensor) -> torch.Tensor:
     """Mean NLL (nats/token) of `continuation` after `user`, both read after `prefix`."""
-    logits = continuation_logits(model, prefix, torch.cat([user, continuation[:-1]]))[user.numel() - 1:]
+    # the head on the scored rows only (the user prompt's rows would be a quarter of the forward's work)
+    logits = continuation_logits(model, prefix, torch.cat([user, continuation[:-1]]), last=continuation.numel())
     target = continuation[:, None].to(logits.device)
     return -torch.log_softmax(logits.float(), dim=-1).gather(-1, target).mean()
 
