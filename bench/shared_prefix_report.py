@@ -60,6 +60,7 @@ SHIPPED = ("edgeprompt-shared", "edgeprompt-shared-gated", "distill", "distill-s
 BESIDE = (HELD_OUT, "notes", "prefix-sft", "oracle-kv", "distill-c8-shared-recall", "distill-c4-shared",
           "distill-c2-shared", "edgeprompt-shared-int2", "distill-shared-int2", "distill-shared-qat-int2",
           "distill-shared-qat-s96-int2", "selfdistill-shared-qat-int2")
+VARIANT = "edgeprompt-shared@"  # a --variant's condition: edgeprompt-shared under another prefix, VARIANT + NAME
 SHARED = Spec(CONDITIONS, CONTRASTS, {f"gap_closed_by_{c}": c for c in SHIPPED + BESIDE}, REFERENCE)
 
 
@@ -86,13 +87,14 @@ def decomposition(rows: list[dict]) -> dict:
 
 
 def share_of_oracle(rows: list[dict], conditions: dict[str, str]) -> dict:
-    """Per source, what each shipped condition gains over EdgePrompt as a share of oracle-kv's gain on the same
-    requests, (EdgePrompt − condition) / (EdgePrompt − oracle-kv), with its paired bootstrap interval (goal (4):
-    ≥ 50 %); the cloud's NLL cancels, so it is the ratio of the two gap shares."""
+    """Per source, what each shipped condition (and each --variant's prefix) gains over EdgePrompt as a share of
+    oracle-kv's gain on the same requests, (EdgePrompt − condition) / (EdgePrompt − oracle-kv), with its paired
+    bootstrap interval (goal (4): ≥ 50 %); the cloud's NLL cancels, so it is the ratio of the two gap shares."""
     out: dict[str, dict] = {}
     for source in dict.fromkeys(r["dataset"] for r in rows):
         nll = {(r["strategy"], r["id"]): r.get("ref_nll") for r in rows if r["dataset"] == source}
-        for cond in (c for c in SHIPPED if c in conditions):  # --only may leave some out
+        # --only may leave some out; a --variant is a shipped strategy under another prefix
+        for cond in [c for c in SHIPPED if c in conditions] + [c for c in conditions if c.startswith(VARIANT)]:
             gap = common_gap(nll, REFERENCE, conditions[cond], "oracle-kv", cell_seed(0, source, "oracle", cond))
             if gap is not None:
                 out.setdefault(source, {})[cond] = gap
@@ -136,7 +138,7 @@ def with_variants(spec: Spec, names: list[str], against: str | None = None) -> S
     """`spec` plus one condition per prefix variant (edgeprompt-shared under another prefix), its gap share, and its
     paired contrast with the shipped prefix, or with variant `against` (an ablation's control: trained on the same
     teacher sets) where given; the control itself is contrasted with the shipped prefix."""
-    added = {f"edgeprompt-shared@{n}": f"edgeprompt-shared@{n}" for n in names}
+    added = {VARIANT + n: VARIANT + n for n in names}
     base = "edgeprompt-shared"
     if against is not None:
         base = f"edgeprompt-shared@{against}"
@@ -197,7 +199,7 @@ def main() -> None:
         ap.error("--variant takes NAME=RUN_DIR")
     for name, _, run in variants:
         runs.append(Path(run))
-        relabel[Path(run)] = {"edgeprompt-shared": f"edgeprompt-shared@{name}"}
+        relabel[Path(run)] = {"edgeprompt-shared": VARIANT + name}
     ungated = "edgeprompt-shared" if args.gated is None else f"edgeprompt-shared@{args.gated}"  # the gated prefix
     try:
         if args.gated is not None and args.gated not in [name for name, _, _ in variants]:

@@ -704,6 +704,13 @@ def test_report_keeps_a_source_a_strategy_skipped_and_relabels_a_runs_prefix(tmp
     assert set(shares) == {"xsum"} and set(shares["xsum"]) == {"edgeprompt-shared"}
     cell = shares["xsum"]["edgeprompt-shared"]
     assert cell["n"] == 4 and cell["fraction"] == pytest.approx(0.2) and cell["ci95_lo"] == pytest.approx(0.2)
+    # a variant's prefix gets its own share of oracle-kv's gain (−0.5 of −0.5), the shipped one's unchanged
+    s = write_distill_report([a, b, k], tmp_path / "out-ko", spec=with_variants(SHARED, ["k64"]),
+                             relabel={k: {"edgeprompt-shared": "edgeprompt-shared@k64"}})
+    rows = [json.loads(line) for line in (tmp_path / "out-ko" / "rows.jsonl").read_text().splitlines() if line]
+    shares = share_of_oracle(rows, with_variants(SHARED, ["k64"]).conditions)["xsum"]
+    assert shares["edgeprompt-shared@k64"]["fraction"] == pytest.approx(1.0)
+    assert shares["edgeprompt-shared"]["fraction"] == pytest.approx(0.2)
 
 
 def test_report_keeps_a_repeated_reference_once_and_refuses_a_conflicting_one(tmp_path):
