@@ -184,3 +184,25 @@ def test_mixed_dtype_loads_float32_with_bf16_linears(tiny_models):
             m.weight.copy_(m.weight.bfloat16().float())
         ids = torch.arange(3, 3 + 7 * (BF16_ROWS + 4), 7)[None]  # a prompt longer than BF16_ROWS
         assert torch.equal(mixed(ids).logits, plain(ids).logits)  # a prefill is float32 on the same weights
+
+
+def test_mixed_scores_in_float32_however_few_the_rows(tiny_models):
+    """A reference NLL's head sees only the scored rows (one for an MMLU letter): under mixed they are still
+    multiplied in float32, so the score is the float32 model's to the bit; a decode step outside stays bf16."""
+    from edgekv.attention.prefix_kv import PrefixKV, continuation_nll
+    from edgekv.models.mixed import float32_scoring
+
+    mixed, plain = load_model(tiny_models["edge"], "mixed").model, load_model(tiny_models["edge"], "float32").model
+    with torch.no_grad():
+        for m in plain.modules():
+            if type(m) is torch.nn.Linear:
+                m.weight.copy_(m.weight.bfloat16().float())
+        ids = torch.arange(3, 3 + 7 * 30, 7)
+        for user, letter in ((ids[20:24], ids[24:25]), (ids[20:23], ids[23:27])):  # 1 and 4 scored rows
+            got = continuation_nll(mixed, PrefixKV.of_model(mixed, ids[:20]), user, letter)
+            assert torch.equal(got, continuation_nll(plain, PrefixKV.of_model(plain, ids[:20]), user, letter))
+        x = torch.randn(1, mixed.config.hidden_size)
+        head = mixed.lm_head
+        with float32_scoring():
+            assert torch.equal(head(x), plain.lm_head(x))
+        assert not torch.equal(head(x), plain.lm_head(x))  # outside: the bf16 path of a decode step

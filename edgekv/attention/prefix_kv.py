@@ -19,6 +19,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from edgekv.attention.fuse import enable_fusion
 from edgekv.attention.relay import RelayBatch, relay_cache
+from edgekv.models.mixed import float32_scoring
 from edgekv.models.structure import KVPair, decoder_layers, model_device
 
 
@@ -260,8 +261,10 @@ def packed_continuation_logits(model: torch.nn.Module, prefix: PrefixKV, seqs: l
 def continuation_nll(model: torch.nn.Module, prefix: PrefixKV, user: torch.Tensor,
                      continuation: torch.Tensor) -> torch.Tensor:
     """Mean NLL (nats/token) of `continuation` after `user`, both read after `prefix`."""
-    # the head on the scored rows only (the user prompt's rows would be a quarter of the forward's work)
-    logits = continuation_logits(model, prefix, torch.cat([user, continuation[:-1]]), last=continuation.numel())
+    # the head on the scored rows only (the user prompt's rows would be a quarter of the forward's work), and in
+    # float32 under --dtype mixed however few they are
+    with float32_scoring():
+        logits = continuation_logits(model, prefix, torch.cat([user, continuation[:-1]]), last=continuation.numel())
     target = continuation[:, None].to(logits.device)
     return -torch.log_softmax(logits.float(), dim=-1).gather(-1, target).mean()
 

@@ -17,6 +17,7 @@ than BF16_ROWS tokens, and within bf16's rounding when it is shorter.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -45,6 +46,26 @@ class _Tiles(threading.local):
 
 
 _TILES = _Tiles()
+
+
+class _Scoring(threading.local):
+    """Whether this thread is scoring (`float32_scoring`): every call takes the float32 path, however few rows."""
+
+    on = False
+
+
+_SCORING = _Scoring()
+
+
+@contextlib.contextmanager
+def float32_scoring():
+    """Within it, a MixedLinear multiplies every call in float32: a score (a reference NLL) is then float32's to the
+    bit whatever the row count (its head sees only the scored rows, one for an MMLU letter), not bf16's."""
+    before, _SCORING.on = _SCORING.on, True
+    try:
+        yield
+    finally:
+        _SCORING.on = before
 
 
 def _chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -76,7 +97,7 @@ class MixedLinear(torch.nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() <= BF16_ROWS * self.in_features:
+        if x.numel() <= BF16_ROWS * self.in_features and not _SCORING.on:
             y = F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
             return y if self.bias is None else y + self.bias
         if torch.is_grad_enabled() and x.requires_grad:  # autograd keeps the weight it multiplied: its own copy
