@@ -141,7 +141,7 @@ def with_variants(spec: Spec, names: list[str], against: str | None = None) -> S
     added = {VARIANT + n: VARIANT + n for n in names}
     base = "edgeprompt-shared"
     if against is not None:
-        base = f"edgeprompt-shared@{against}"
+        base = VARIANT + against
         if base not in added:
             raise EdgeKVError(f"--against {against}: no --variant of that name")
     pairs = {c: base if c != base else "edgeprompt-shared" for c in added}  # the control: against the shipped one
@@ -200,7 +200,7 @@ def main() -> None:
     for name, _, run in variants:
         runs.append(Path(run))
         relabel[Path(run)] = {"edgeprompt-shared": VARIANT + name}
-    ungated = "edgeprompt-shared" if args.gated is None else f"edgeprompt-shared@{args.gated}"  # the gated prefix
+    ungated = "edgeprompt-shared" if args.gated is None else VARIANT + args.gated  # the gated prefix
     try:
         if args.gated is not None and args.gated not in [name for name, _, _ in variants]:
             raise EdgeKVError(f"--gated {args.gated}: no --variant of that name")
