@@ -206,3 +206,29 @@ def test_mixed_scores_in_float32_however_few_the_rows(tiny_models):
         with float32_scoring():
             assert torch.equal(head(x), plain.lm_head(x))
         assert not torch.equal(head(x), plain.lm_head(x))  # outside: the bf16 path of a decode step
+
+
+def test_mixed_gate_and_teacher_targets_are_float32_scores(tiny_models):
+    """The gate's KLs and a teacher's top-k targets are scores too: under mixed, their heads (16 and 10 rows
+    here) multiply in float32, so each equals the float32 model's to the bit."""
+    from types import SimpleNamespace
+
+    from edgekv.attention.prefix_kv import PrefixKV
+    from edgekv.distill.shared import _teacher_rows
+    from edgekv.kv.shared_prefix import gate
+
+    mixed, plain = load_model(tiny_models["edge"], "mixed").model, load_model(tiny_models["edge"], "float32").model
+    with torch.no_grad():
+        for m in plain.modules():
+            if type(m) is torch.nn.Linear:
+                m.weight.copy_(m.weight.bfloat16().float())
+    prefix_ids, ids = torch.arange(5, 5 + 3 * 20, 3), torch.arange(3, 3 + 7 * 32, 7)  # 32 tokens: the gate reads 16
+
+    def as_loaded(model, name):
+        return SimpleNamespace(model=model, fingerprint=name)
+
+    got, want = (gate(SimpleNamespace(tokens=20, prefix=PrefixKV.of_model(m, prefix_ids)), as_loaded(m, "e"),
+                      as_loaded(m, "t"), ids) for m in (mixed, plain))
+    assert got["tokens"] == 16 and got["kl_with"] == want["kl_with"] > 0
+    rows = [_teacher_rows(as_loaded(m, "t"), ids[:20], 10, 4, None, "x")[:2] for m in (mixed, plain)]
+    assert rows[0][0].shape == (9, 4) and torch.equal(rows[0][0], rows[1][0]) and torch.equal(rows[0][1], rows[1][1])

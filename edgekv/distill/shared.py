@@ -47,6 +47,7 @@ from edgekv.kv.export import token_ids_sha256
 from edgekv.kv.shared_prefix import SharedPrefix, write_shared_prefix
 from edgekv.kv.train_loop import example_index
 from edgekv.models.loading import LoadedModel
+from edgekv.models.mixed import float32_scoring
 from edgekv.models.structure import attn_shape, model_device
 from edgekv.models.targets import top_targets
 from edgekv.plots import loss_curve
@@ -143,7 +144,7 @@ def _teacher_rows(teacher: LoadedModel, seq: torch.Tensor, h: int, top_k: int, w
     if kept is not None:
         return kept[1]["top_ids"], kept[1]["top_logp"], kept[0].get("teach_s"), True
     start = time.perf_counter()
-    with torch.no_grad():
+    with torch.no_grad(), float32_scoring():  # targets are scores: under mixed a head of few rows stays float32
         logits = teacher.model(input_ids=seq[None].to(model_device(teacher.model)), logits_to_keep=seq.numel() - h)
     top_logp, top_ids = (t.cpu().contiguous() for t in top_targets(logits.logits[0, :-1], top_k))
     seconds = time.perf_counter() - start

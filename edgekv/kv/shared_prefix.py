@@ -28,6 +28,7 @@ from edgekv.kv.codecs import quantize
 from edgekv.kv.export import Expect, KVExport, KVStoreError, export_manifest, tokenizer_fingerprint, write_export
 from edgekv.kv.unpack import decode_layer, edge_kv
 from edgekv.models.loading import LoadedModel
+from edgekv.models.mixed import float32_scoring
 from edgekv.models.structure import model_device
 from edgekv.models.targets import mean_kl
 
@@ -97,9 +98,10 @@ def gate(shared: SharedPrefix, edge: LoadedModel, teacher: LoadedModel, ids: tor
     def logits(m: LoadedModel) -> torch.Tensor:
         return m.model(input_ids=ids[None].to(model_device(m.model)), logits_to_keep=last).logits[0]
 
-    target, alone = logits(teacher), logits(edge)
-    without = mean_kl(target, alone)
-    under = mean_kl(target, continuation_logits(edge.model, shared.prefix, ids, last)) if shared.tokens else without
+    with float32_scoring():  # a KL is a score: under mixed its heads (16 rows at a 32-token prompt) stay float32
+        target, alone = logits(teacher), logits(edge)
+        without = mean_kl(target, alone)
+        under = mean_kl(target, continuation_logits(edge.model, shared.prefix, ids, last)) if shared.tokens else without
     return {"teacher": teacher.fingerprint, "tokens": last, "kl_without": without, "kl_with": under,
             "reads_prefix": under < without}
 
