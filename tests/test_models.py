@@ -186,17 +186,24 @@ def test_mixed_dtype_loads_float32_with_bf16_linears(tiny_models):
         assert torch.equal(mixed(ids).logits, plain(ids).logits)  # a prefill is float32 on the same weights
 
 
+def _mixed_and_its_float32(path):
+    """The model under mixed, and under float32 with its linear weights rounded as mixed holds them (bf16)."""
+    mixed, plain = load_model(path, "mixed").model, load_model(path, "float32").model
+    with torch.no_grad():
+        for m in plain.modules():
+            if type(m) is torch.nn.Linear:
+                m.weight.copy_(m.weight.bfloat16().float())
+    return mixed, plain
+
+
 def test_mixed_scores_in_float32_however_few_the_rows(tiny_models):
     """A reference NLL's head sees only the scored rows (one for an MMLU letter): under mixed they are still
     multiplied in float32, so the score is the float32 model's to the bit; a decode step outside stays bf16."""
     from edgekv.attention.prefix_kv import PrefixKV, continuation_nll
     from edgekv.models.mixed import float32_scoring
 
-    mixed, plain = load_model(tiny_models["edge"], "mixed").model, load_model(tiny_models["edge"], "float32").model
+    mixed, plain = _mixed_and_its_float32(tiny_models["edge"])
     with torch.no_grad():
-        for m in plain.modules():
-            if type(m) is torch.nn.Linear:
-                m.weight.copy_(m.weight.bfloat16().float())
         ids = torch.arange(3, 3 + 7 * 30, 7)
         for user, letter in ((ids[20:24], ids[24:25]), (ids[20:23], ids[23:27])):  # 1 and 4 scored rows
             got = continuation_nll(mixed, PrefixKV.of_model(mixed, ids[:20]), user, letter)
@@ -217,11 +224,7 @@ def test_mixed_gate_and_teacher_targets_are_float32_scores(tiny_models):
     from edgekv.distill.shared import _teacher_rows
     from edgekv.kv.shared_prefix import gate
 
-    mixed, plain = load_model(tiny_models["edge"], "mixed").model, load_model(tiny_models["edge"], "float32").model
-    with torch.no_grad():
-        for m in plain.modules():
-            if type(m) is torch.nn.Linear:
-                m.weight.copy_(m.weight.bfloat16().float())
+    mixed, plain = _mixed_and_its_float32(tiny_models["edge"])
     prefix_ids, ids = torch.arange(5, 5 + 3 * 20, 3), torch.arange(3, 3 + 7 * 32, 7)  # 32 tokens: the gate reads 16
 
     def as_loaded(model, name):
