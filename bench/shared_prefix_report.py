@@ -38,11 +38,14 @@ CONDITIONS = {"edgeprompt-shared": "edgeprompt-shared", "edgeprompt-shared-gated
               "distill-shared-qat-s96-int2": "ce-lslm-distill-shared:qat@s96/0.35/int2",
               # the same 2-bit student taught by the edge on the prefix: the codec's share (twentieth session)
               "selfdistill-shared-qat-int2": "edgeprompt-shared-selfdistill:qat@0.35/int2",
-              "fuse": "ce-lslm-fuse", "notes": "notes", "prefix-sft": "prefix-sft", "oracle-kv": "oracle-kv",
+              "fuse": "ce-lslm-fuse", "fuse-shared": "ce-lslm-fuse-shared",
+              "notes": "notes", "prefix-sft": "prefix-sft", "oracle-kv": "oracle-kv",
               "cloud": "cloud-only", "edge": "edge-only", "cloud-nosys": "cloud-nosys", "edge-nosys": "edge-nosys"}
 CONTRASTS = {"distill-shared - distill": ("distill-shared", "distill"),
              "distill-shared - edgeprompt-shared": ("distill-shared", "edgeprompt-shared"),
              "edgeprompt-shared-gated - edgeprompt-shared": ("edgeprompt-shared-gated", "edgeprompt-shared"),
+             "fuse-shared - edgeprompt-shared": ("fuse-shared", "edgeprompt-shared"),
+             "fuse-shared - fuse": ("fuse-shared", "fuse"),
              "distill-c8-shared-recall - distill-c8-shared": ("distill-c8-shared-recall", "distill-c8-shared"),
              "edgeprompt-shared-int2 - edgeprompt-shared": ("edgeprompt-shared-int2", "edgeprompt-shared"),
              "distill-shared-qat-int2 - distill-shared-int2": ("distill-shared-qat-int2", "distill-shared-int2"),
@@ -59,7 +62,7 @@ SHIPPED = ("edgeprompt-shared", "edgeprompt-shared-gated", "distill", "distill-s
 # are met; the P/4 and P/2 students: how much a longer student recovers)
 BESIDE = (HELD_OUT, "notes", "prefix-sft", "oracle-kv", "distill-c8-shared-recall", "distill-c4-shared",
           "distill-c2-shared", "edgeprompt-shared-int2", "distill-shared-int2", "distill-shared-qat-int2",
-          "distill-shared-qat-s96-int2", "selfdistill-shared-qat-int2")
+          "distill-shared-qat-s96-int2", "selfdistill-shared-qat-int2", "fuse-shared")
 VARIANT = "edgeprompt-shared@"  # a --variant's condition: edgeprompt-shared under another prefix, VARIANT + NAME
 SHARED = Spec(CONDITIONS, CONTRASTS, {f"gap_closed_by_{c}": c for c in SHIPPED + BESIDE}, REFERENCE)
 

@@ -66,3 +66,16 @@ def make_export(edge_dir, out, start_layer=1, quant="fp32", system=SYSTEM, tar=F
     run_compress(CompressConfig(out=str(out), cloud=edge_dir, edge=edge_dir, system_prompt=system, dtype=dtype,
                                 quant=quant, start_layer=start_layer, tar=tar))
     return out
+
+
+def edge_prefix(edge, path, tokens: int):
+    """A shared prefix of `tokens` tokens (0: K = 0) for the loaded `edge`: its own KV of a few ids, where training
+    starts from."""
+    from edgekv.attention.prefix_kv import prefix_kv
+    from edgekv.kv.shared_prefix import SharedPrefix, write_shared_prefix
+
+    kv = prefix_kv(edge.model, torch.arange(5, 5 + max(tokens, 2)))
+    write_shared_prefix(path, edge, [(k[0, :, :tokens], v[0, :, :tokens]) for k, v in kv], torch.arange(5, 5 + tokens),
+                        {"steps": 0})
+    return SharedPrefix(path, edge)
+

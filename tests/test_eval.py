@@ -233,7 +233,7 @@ def test_load_curves(tiny_models, data, align_dir, tmp_path):
                                                                                    "report.md").read_text()
 
 
-def test_ce_lslm_fuse_with_shut_gates_answers_as_edge_only(tiny_models, data, align_dir, tmp_path):
+def test_ce_lslm_fuse_with_shut_gates_answers_as_the_edge_alone_with_or_without_a_prefix(tiny_models, data, align_dir, tmp_path):
     import torch
 
     from edgekv.kv.fusers import BiasFuser
@@ -263,6 +263,24 @@ def test_ce_lslm_fuse_with_shut_gates_answers_as_edge_only(tiny_models, data, al
         assert r["answer"] == alone["answer"] and r["upload_ratio"] == 0.0
         assert r["ref_nll"] == pytest.approx(alone["ref_nll"], abs=1e-4)
         assert r["bytes_cloud_to_edge"] > 0 and r["layer_sources"] == ["export"]
+    # under a shared prefix (K = 3): the edge's own KV read after it, so with shut gates EdgePrompt under the prefix
+    from tests.helpers import edge_prefix
+
+    edge_prefix(edge, tmp_path / "k3", 3)
+    shared = dict(strategies=["edgeprompt-shared", "ce-lslm-fuse-shared"], datasets=["xsum"],
+                  fuser_path=str(tmp_path / "fuser"), quant="fp16", prune_ratio=0.0)
+    with pytest.raises(EdgeKVError, match="needs shared"):
+        _cfg(tiny_models, data, align_dir, tmp_path / "y", **shared).validate()
+    run_eval(_cfg(tiny_models, data, align_dir, tmp_path / "under", shared=str(tmp_path / "k3"), **shared),
+             models=(cloud, edge))
+    rows = read_results(tmp_path / "under" / "results.jsonl")
+    by = {(r["strategy"], r["id"]): r for r in rows}
+    assert len(rows) == 4
+    for r in rows:
+        if r["strategy"] == "ce-lslm-fuse-shared":
+            ep = by[("edgeprompt-shared", r["id"])]
+            assert r["answer"] == ep["answer"] and r["system_tokens"] == ep["system_tokens"]
+            assert r["ref_nll"] == pytest.approx(ep["ref_nll"], abs=1e-4) and r["bytes_cloud_to_edge"] > 0
 
 
 def test_paired_differences_to_edge_only():

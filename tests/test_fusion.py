@@ -13,7 +13,7 @@ from edgekv.kv.translators import HiddenTranslator
 from edgekv.models.capture import capture
 from edgekv.models.loading import load_model
 from edgekv.texts import HeldOutText
-from tests.helpers import PROMPT, byte_tokenizer, save_model, tiny_qwen2
+from tests.helpers import PROMPT, byte_tokenizer, edge_prefix, save_model, tiny_qwen2
 
 
 def _qkv(seed, heads=4, kv_heads=2, t=5, s_a=7, s_b=6, d=8):
@@ -194,7 +194,7 @@ def test_fidelity_harness_runs_fusers_and_closed_equals_edge(calib_file, tmp_pat
     assert control["fuse@mismatched"]["nll"] == pytest.approx(control["fuse"]["nll"], abs=1e-6)
 
 
-def _fuse_export(tiny_models, calib_file, tmp_path, bias: float, name: str):
+def _fuse_export(tiny_models, calib_file, tmp_path, bias: float, name: str, shared=None):
     from edgekv.kv.compress_job import CompressConfig, run_compress
 
     cloud, edge = load_model(tiny_models["cloud"], "float32"), load_model(tiny_models["edge"], "float32")
@@ -206,7 +206,7 @@ def _fuse_export(tiny_models, calib_file, tmp_path, bias: float, name: str):
     save_translator(fuser, tmp_path / f"fuser-{name}", cloud.fingerprint, edge.fingerprint)
     cfg = CompressConfig(out=str(tmp_path / f"kv-{name}"), cloud=tiny_models["cloud"], edge=tiny_models["edge"],
                          system_prompt=PROMPT, dtype="float32", quant="fp16", splice="fuse", translator="fuse-bias",
-                         translator_path=str(tmp_path / f"fuser-{name}"))
+                         translator_path=str(tmp_path / f"fuser-{name}"), shared=shared and str(shared))
     run_compress(cfg)
     return edge, fuser, tmp_path / f"kv-{name}", PROMPT
 
@@ -368,3 +368,68 @@ def test_gates_open_only_on_a_held_out_gain_that_clears_noise(calib_file, tmp_pa
     evidence = choose_gates(edge, fuser, list(range(6)))
     assert (evidence["open"] != []) == opens and (evidence["gain_lower_bound"] > 0) == opens
     assert sum(gains) / 6 > 0  # the noise case does gain on average: the old rule (any gain) opened it
+
+
+@pytest.mark.parametrize("kind", ["bias", "residual"])
+def test_a_fuser_joins_the_cloud_where_the_own_kv_sits(calib_file, tmp_path, kind):
+    """The own KV at positions K.. (after a shared prefix), the cloud's rotated at 0..: what the fuser gives,
+    un-rotated at K.., is what it gives with both at 0.., un-rotated there (rotary moves, the content does not)."""
+    from edgekv.models.structure import attn_shape, rotary_cos_sin, rotate_keys, unrotate_keys
+
+    _, edge, fuser, _ = _pair(tmp_path, calib_file)
+    if kind == "residual":
+        fuser = ResidualFuser.from_hidden(fuser, edge.model, rank=8)
+        g = torch.Generator().manual_seed(3)
+        fuser.res = {k: torch.randn(t.shape, generator=g) * 0.3 for k, t in fuser.res.items()}  # a non-zero delta
+    _, heads, d = attn_shape(edge.model)
+    g = torch.Generator().manual_seed(4)
+    own_k, own_v, cloud_k, cloud_v = (torch.randn(heads, 9, d, generator=g) for _ in range(4))
+
+    def at(offset):
+        return rotary_cos_sin(edge.model, torch.arange(offset, offset + 9)[None], own_k[None])
+
+    def keys_of(offset):
+        own = {i: (rotate_keys(own_k[None], *at(offset))[0], own_v) for i in (1, 2)}
+        cloud = {i: (rotate_keys(cloud_k[None], *at(0))[0], cloud_v) for i in (1, 2)}
+        override, segments = fuser.fuse(edge.model, own, cloud, [1, 2], offset=offset)
+        k = override[2][0] if kind == "residual" else segments[2].keys[0]
+        return unrotate_keys(k[None], *at(offset))[0]
+
+    torch.testing.assert_close(keys_of(5), keys_of(0), atol=1e-5, rtol=1e-5)
+    if kind == "residual":  # a real correction, not the own keys passed through
+        assert (keys_of(0) - own_k).abs().max() > 1e-2
+
+
+def test_a_fuse_export_under_a_shared_prefix(tiny_models, calib_file, tmp_path, monkeypatch):
+    """The edge reads its own KV after the prefix and the fuser joins the cloud's there: with its gates shut it is
+    the edge alone under the prefix; with K = 0 it is the plain fuse export to the bit; refused without its prefix."""
+    from edgekv.serve.sampling import SamplingParams
+    from edgekv.serve.session import EdgeSession
+
+    edge = load_model(tiny_models["edge"], "float32")
+    k3, k0 = edge_prefix(edge, tmp_path / "k3", 3), edge_prefix(edge, tmp_path / "k0", 0)
+    params, user = SamplingParams(max_new_tokens=8), "What does the cloud compute?"
+    _, _, shut, _ = _fuse_export(tiny_models, calib_file, tmp_path, -1e4, "shut3", shared=tmp_path / "k3")
+    fused = EdgeSession(edge, str(shut), cache_dir=tmp_path / "c", shared=k3)
+    alone = EdgeSession(edge, None, PROMPT, shared=k3)
+    assert fused.prefix_len == alone.prefix_len == 3 + fused.system.system_ids.numel()
+    offsets, real = [], BiasFuser.fuse
+
+    def spy(self, *args, **kw):
+        offsets.append(kw.get("offset"))
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(BiasFuser, "fuse", spy)
+    f, a = fused.complete(user, params), alone.complete(user, params)
+    assert offsets == [3]  # the fuser is told where the own KV sits
+    assert f.token_ids == a.token_ids and (f.first_logits - a.first_logits).abs().max() < 1e-5
+    with pytest.raises(EdgeKVError, match="give it with --shared"):
+        EdgeSession(edge, str(shut), cache_dir=tmp_path / "c2")
+    _, _, open0, _ = _fuse_export(tiny_models, calib_file, tmp_path, 0.0, "open0", shared=tmp_path / "k0")
+    _, _, plain, _ = _fuse_export(tiny_models, calib_file, tmp_path, 0.0, "open")
+    got = EdgeSession(edge, str(open0), cache_dir=tmp_path / "c3", shared=k0).complete(user, params)
+    want = EdgeSession(edge, str(plain), cache_dir=tmp_path / "c4").complete(user, params)
+    assert torch.equal(got.first_logits, want.first_logits) and got.token_ids == want.token_ids
+    assert (got.first_logits - a.first_logits).abs().max() > 1e-4  # the open gates reach the answer
+    assert offsets == [3, 0, 0]
+

@@ -37,7 +37,7 @@ class EvalConfig(ModelSettings):
         help="xsum, mmlu, sharegpt (comma-separated).", factory=lambda: ["xsum", "mmlu", "sharegpt"], flag="dataset")
     strategies: list[str] = setting(
         help="cloud-only, edge-only, edge-naive, cloud-nosys, edge-nosys, edgeprompt, edgeprompt-shared, "
-        "edgeprompt-shared-gated, prefix-sft, notes, ce-lslm[:mapping], ce-lslm-fuse, "
+        "edgeprompt-shared-gated, prefix-sft, notes, ce-lslm[:mapping], ce-lslm-fuse, ce-lslm-fuse-shared, "
         "ce-lslm-distill[:nosum|:v1|:recall|:qat], ce-lslm-distill-shared[:recall|:qat], "
         "edgeprompt-selfdistill, edgeprompt-shared-selfdistill[:qat], edgeprompt-truncate, oracle-kv (a bound); "
         "edgeprompt/ce-lslm take @RATIO/CODEC (ce-lslm@0.25/int4), the distilled ones @c<N> (a student of P/N "

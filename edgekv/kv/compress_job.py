@@ -87,7 +87,7 @@ class CompressConfig(ModelSettings):
     tar: bool = setting(False, "Write one .tar instead of a directory.", toggle="--tar/--no-tar")
     seed: int = seed_setting()
     shared: str | None = setting(None, "A shared prefix (distill --train-shared) the prompt is read after (same "
-                                       "model on both sides).")
+                                       "model on both sides, or --splice fuse: the edge's own KV).")
     shared_gate: str | None = setting(
         None, "With --shared: a teacher (the cloud) the prefix is checked against on this prompt; the export "
               "reads the prefix only when it brings the edge closer to the teacher on the prompt (else none).")
@@ -212,9 +212,9 @@ def run_compress(cfg: CompressConfig, progress=None, models: tuple[LoadedModel, 
     check_tokenizers(cloud.tokenizer, edge.tokenizer)
     cfg = resolve_splice(cfg, cloud, edge, same)
     shared = SharedPrefix(cfg.shared, edge) if cfg.shared else None
-    if shared is not None and not same:  # the cloud cannot read an edge-shaped prefix
-        raise EdgeKVError("--shared needs the same model on both sides (EdgePrompt); a heterogeneous cloud's KV "
-                          "is computed without the prefix")
+    if shared is not None and not same and cfg.splice != "fuse":  # the cloud cannot read an edge-shaped prefix
+        raise EdgeKVError("--shared needs the same model on both sides (EdgePrompt) or --splice fuse (the edge "
+                          "reads its own KV after the prefix); a cloud KV that replaces the edge's has no prefix")
     timings["load_s"] = time.perf_counter() - start
     ids = torch.tensor(edge.tokenizer(prompt, add_special_tokens=True)["input_ids"], dtype=torch.long)
     if ids.numel() == 0:

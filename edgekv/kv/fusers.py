@@ -96,8 +96,10 @@ class Fuser(HiddenTranslator):
 
     @abstractmethod
     def fuse(self, edge_model, own: dict[int, KVPair], cloud: dict[int, KVPair],
-             layers: list[int] | None = None) -> tuple[dict[int, KVPair], dict[int, CloudSegment]]:
-        """(replacement own KV, cloud segments) for `layers` (default: the open ones); KV is (kv_heads, S, d)."""
+             layers: list[int] | None = None, offset: int = 0) -> tuple[dict[int, KVPair], dict[int, CloudSegment]]:
+        """(replacement own KV, cloud segments) for `layers` (default: the open ones); KV is (kv_heads, S, d). The
+        cloud's keys come rotated at positions 0..S−1; the own KV sits at `offset`.. (after a shared prefix's
+        tokens), and what the fuser returns sits there too."""
 
     @abstractmethod
     def gate_tensors(self) -> dict[str, torch.Tensor]:
@@ -121,11 +123,11 @@ class BiasFuser(Fuser):
         _, kv_heads, _ = attn_shape(edge_model)
         self.gate_bias = {i: torch.full((kv_heads,), float(init)) for i in self.maps}
 
-    def fuse(self, edge_model, own, cloud, layers=None):
-        """No change to the own KV; one cloud segment per layer."""
+    def fuse(self, edge_model, own, cloud, layers=None, offset=0):
+        """No change to the own KV; one cloud segment per layer (its keys moved to the own KV's positions)."""
         layers = self.open_layers() if layers is None else layers
-        return {}, {i: CloudSegment(cloud[i][0][None], cloud[i][1][None], self.gate_bias[i])
-                    for i in layers if i in cloud}
+        return {}, {i: CloudSegment(shift_keys(edge_model, cloud[i][0], offset)[None], cloud[i][1][None],
+                                    self.gate_bias[i]) for i in layers if i in cloud}
 
     def segments(self, cloud: dict[int, KVPair], layers=None) -> dict[int, CloudSegment]:
         """The cloud segments alone (this fuser never changes the own KV)."""
@@ -145,6 +147,17 @@ class BiasFuser(Fuser):
         """Inverse of `tensors`."""
         super().load_tensors(tensors)
         self.load_gates({f"{i}.gate_bias": tensors[f"{i}.gate_bias"] for i in self.info})
+
+
+def shift_keys(edge_model, keys: torch.Tensor, offset: int) -> torch.Tensor:
+    """(kv_heads, S, d) keys rotated at positions 0..S−1, rotated at `offset`..`offset`+S−1 instead (unchanged at
+    offset 0 or without rotary)."""
+    if not offset:
+        return keys
+    at = [rotary_cos_sin(edge_model, torch.arange(o, o + keys.shape[1])[None], keys[None].float()) for o in (0, offset)]
+    if at[0] is None:
+        return keys
+    return rotate_keys(unrotate_keys(keys[None].float(), *at[0]), *at[1])[0].to(keys.dtype)
 
 
 def _rms(x: torch.Tensor) -> torch.Tensor:
@@ -174,7 +187,7 @@ class ResidualFuser(Fuser):
         h = torch.nn.functional.silu(x @ self.res[f"{i}.{kv}_down"] + self.res[f"{i}.{kv}_down_b"])
         return h @ self.res[f"{i}.{kv}_up"] + self.res[f"{i}.{kv}_up_b"]
 
-    def fuse(self, edge_model, own, cloud, layers=None):
+    def fuse(self, edge_model, own, cloud, layers=None, offset=0):
         """Own KV + the fuser's correction at each layer (keys fused un-rotated, then rotated back)."""
         layers = self.open_layers() if layers is None else layers
         out = {}
@@ -182,11 +195,14 @@ class ResidualFuser(Fuser):
             if i not in cloud:
                 continue
             (ko, vo), (kc, vc) = own[i], cloud[i]
-            positions = torch.arange(ko.shape[1])[None]
-            cs = rotary_cos_sin(edge_model, positions, ko[None].float())
-            unrot = (lambda k: k.float()) if cs is None else (lambda k: unrotate_keys(k[None].float(), *cs)[0])
-            dk = self._delta(i, "k", unrot(ko), unrot(kc))
-            dk = dk if cs is None else rotate_keys(dk[None], *cs)[0]  # rotary is linear: own + rotated delta
+            at_own, at_cloud = (rotary_cos_sin(edge_model, torch.arange(o, o + ko.shape[1])[None], ko[None].float())
+                                for o in (offset, 0))
+
+            def unrot(k, cs):
+                return k.float() if cs is None else unrotate_keys(k[None].float(), *cs)[0]
+
+            dk = self._delta(i, "k", unrot(ko, at_own), unrot(kc, at_cloud))
+            dk = dk if at_own is None else rotate_keys(dk[None], *at_own)[0]  # rotary is linear: own + rotated delta
             out[i] = ((ko.float() + dk).to(ko.dtype), (vo.float() + self._delta(i, "v", vo, vc)).to(vo.dtype))
         return out, {}
 

@@ -89,8 +89,6 @@ class SystemKV(PrefixKV):
             self.next_position += shared.tokens
         check_context(self.model.config, max(self.next_position, self.prefix_len), "the system prompt")
         self.splice = self.export.manifest.get("splice", "replace") if self.export is not None else "replace"
-        if shared is not None and self.splice == "fuse":
-            raise EdgeKVError("a fuse export cannot be read under a shared prefix (its gates were trained without it)")
         if self.splice == "fuse":
             self._build_fused()
         else:
@@ -189,7 +187,7 @@ class SystemKV(PrefixKV):
         self.loader = LayerLoader(self.export, self.model, self.dtype, self.link, [], None,
                                   on_loaded=self._keep_copy if self.source == "remote" else None).start()
         start = time.perf_counter()
-        self.shallow = prefix_kv(self.model, self.system_ids)
+        self.shallow = self._prompt_kv()  # after the shared prefix, when there is one
         self.timings = {"shallow_prefill_s": time.perf_counter() - start}
 
     def _fused(self) -> tuple[dict[int, KVPair], dict]:
@@ -207,7 +205,8 @@ class SystemKV(PrefixKV):
                         log.warning("layer %d: no cloud KV (%s); its gate stays closed", i, exc)
                 own = {i: (k[0], v[0]) for i, (k, v) in enumerate(self.shallow)}
                 with torch.no_grad():
-                    override, segments = self.fuser.fuse(self.model, own, cloud, sorted(cloud))
+                    override, segments = self.fuser.fuse(self.model, own, cloud, sorted(cloud), offset=(
+                        self.shared.prefix.next_position if self.shared is not None else 0))
                 self._fusion = ({i: (k[None], v[None]) for i, (k, v) in override.items()}, segments)
             return self._fusion
 

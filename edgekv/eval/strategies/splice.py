@@ -118,6 +118,7 @@ class CeLslmFuse(CompressStrategy):
     base = "ce-lslm-fuse"
 
     def validate(self, cfg):
+        super().validate(cfg)
         if not cfg.fuser_path:
             raise EdgeKVError("strategy ce-lslm-fuse needs fuser_path (a trained fuser, e.g. from "
                               "`edgekv train-fuser`)")
@@ -128,3 +129,16 @@ class CeLslmFuse(CompressStrategy):
         return CompressConfig(cloud=c.cloud, edge=c.edge, dtype=c.dtype, prune_ratio=c.prune_ratio, quant=c.quant,
                               translator=name,
                               translator_path=c.fuser_path, splice="fuse")
+
+
+@register_strategy
+class CeLslmFuseShared(CeLslmFuse):
+    """CE-LSLM with the fuser, the edge's own KV read after the run's shared prefix (issue 37): whether the fuser's
+    gain stacks on the prefix's. Its gates were trained without the prefix; the cloud's KV is the same export's."""
+
+    base = "ce-lslm-fuse-shared"
+    prefix_setting = "shared"
+
+    def _compress_config(self, a):
+        return replace(super()._compress_config(a), shared=self.shared_path(a))
+
