@@ -233,7 +233,8 @@ def test_load_curves(tiny_models, data, align_dir, tmp_path):
                                                                                    "report.md").read_text()
 
 
-def test_ce_lslm_fuse_with_shut_gates_answers_as_the_edge_alone_with_or_without_a_prefix(tiny_models, data, align_dir, tmp_path):
+def test_ce_lslm_fuse_with_shut_gates_answers_as_the_edge_alone_with_or_without_a_prefix(
+        tiny_models, data, align_dir, tmp_path):
     import torch
 
     from edgekv.kv.fusers import BiasFuser
