@@ -282,8 +282,17 @@ def test_train_fuser_command_on_tiny_models(tiny_models, tmp_path):
     assert again.exit_code == 0, again.output
     log = json.loads((tmp_path / "f" / "log.json").read_text())
     assert [e["step"] for e in log] == list(range(0, 9))
+    edge_prefix(load_model(tiny_models["edge"], "float32"), tmp_path / "k3", 3)
+    under = runner.invoke(app, args[:-4] + ["--steps", "2", "--shared", str(tmp_path / "k3"), "--out",
+                                            str(tmp_path / "fs"), "--cache", str(tmp_path / "cache")])
+    assert under.exit_code == 0, under.output
+    assert json.loads((tmp_path / "fs" / "gates.json").read_text())["shared_prefix"]["tokens"] == 3
+    assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 12  # its own features: the own KV differs
+    assert gates["shared_prefix"] is None
     bad = runner.invoke(app, ["train-fuser", "--gate", "nope"])
     assert bad.exit_code == 1 and "unknown --gate 'nope'" in bad.output and "Traceback" not in bad.output
+    no_prefix = runner.invoke(app, ["train-fuser", "--shared", str(tmp_path / "none")])
+    assert no_prefix.exit_code == 1 and "shared prefix not found" in no_prefix.output
     bad_rate = runner.invoke(app, ["train-fuser", "--map-lr", "0"])
     assert bad_rate.exit_code == 1 and "--map-lr must be > 0" in bad_rate.output and "Traceback" not in bad_rate.output
 
@@ -433,3 +442,38 @@ def test_a_fuse_export_under_a_shared_prefix(tiny_models, calib_file, tmp_path, 
     assert (got.first_logits - a.first_logits).abs().max() > 1e-4  # the open gates reach the answer
     assert offsets == [3, 0, 0]
 
+
+
+def test_training_a_fuser_under_a_shared_prefix_reads_the_text_after_it(calib_file, tmp_path, monkeypatch):
+    """`train-fuser --shared`: the edge's own KV is read after the prefix and the fuser joins the cloud there, as
+    `ce-lslm-fuse-shared` serves: shut gates are the edge reading [prefix; text], K = 0 is the plain training to
+    the bit, and features under a prefix are cached apart from the plain ones (the cloud's targets shared)."""
+    from edgekv.attention.prefix_kv import continuation_logits
+
+    cloud, edge, fuser, texts = _pair(tmp_path, calib_file)
+    k3, k0 = edge_prefix(edge, tmp_path / "k3", 3), edge_prefix(edge, tmp_path / "k0", 0)
+    cache = tmp_path / "cache"
+    plain = prepare(edge, cloud, texts[:2], fuser, ("c", "e"), top_k=8, cache_dir=cache)
+    under0 = prepare(edge, cloud, texts[:2], fuser, ("c", "e"), top_k=8, cache_dir=cache, shared=k0)
+    under3 = prepare(edge, cloud, texts[:2], fuser, ("c", "e"), top_k=8, cache_dir=cache, shared=k3)
+    assert len(list(cache.glob("*.safetensors"))) == 6 and len(list((cache / "targets").glob("*"))) == 2
+    offsets, real = [], BiasFuser.fuse
+
+    def spy(self, *args, **kw):
+        offsets.append(kw.get("offset"))
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(BiasFuser, "fuse", spy)
+    with torch.no_grad():
+        for text, p, z, u in zip(texts[:2], plain, under0, under3):
+            assert torch.equal(u.top_logp, p.top_logp)  # the target is the cloud reading the text alone
+            full = torch.cat([text.prefix, text.continuation])
+            alone = continuation_logits(edge.model, k3.prefix, full)[text.prefix.numel():-1]
+            assert (fused_logits(edge, fuser, u, []) - alone).abs().max() < 1e-5
+            for b in fuser.gate_bias.values():
+                b.fill_(0.0)
+            assert torch.equal(fused_logits(edge, fuser, z, [1, 2]), fused_logits(edge, fuser, p, [1, 2]))
+            assert (fused_logits(edge, fuser, u, [1, 2]) - alone).abs().max() > 1e-3  # the cloud reaches it
+            for b in fuser.gate_bias.values():
+                b.fill_(-6.0)
+    assert offsets == [3, 0, 0, 3] * 2  # the fuser is told where the own KV sits

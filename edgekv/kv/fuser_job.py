@@ -6,7 +6,9 @@ held-out texts (2000 on) and the eval's (5000 on). Optionally `xsum_texts` XSum 
 `xsum_offset` of data/xsum join the training texts: news articles like the eval's XSum system prompts; the default
 offset 107 starts after the 64 documents the fidelity bench holds out (records 0..106, which also cover the eval's
 XSum requests). `self_fuse` trains the same fuser edge → edge (the fused KV is the edge's own, the target still
-the cloud's distribution): the adapter-only control. The out directory
+the cloud's distribution): the adapter-only control. `shared` trains it under a shared prefix: the edge reads every
+text after the prefix, as `ce-lslm-fuse-shared` serves it (the target stays the cloud reading the text alone).
+The out directory
 holds translator.safetensors + translator.json (the fuser, usable by `compress --splice fuse` and eval's
 `fuser_path`), state.safetensors + progress.json (resume), log.json, gates.json and loss_curve.png.
 """
@@ -31,6 +33,7 @@ from edgekv.config import (
 )
 from edgekv.kv.fuser_training import choose_gates, prepare, train
 from edgekv.kv.registry import TRANSLATORS, save_translator
+from edgekv.kv.shared_prefix import SharedPrefix
 from edgekv.kv.translators import HiddenTranslator
 from edgekv.models.capture import capture
 from edgekv.models.loading import check_tokenizers, load_model
@@ -85,6 +88,8 @@ class TrainFuserConfig(ModelSettings):
     max_open: int | None = setting(None, "At most this many open layers, the most useful.", shown="no limit")
     seed: int = seed_setting()
     cache: str = setting("runs/fuser-cache", "Feature cache (safetensors per text).")
+    shared: str | None = setting(None, "Train under this shared prefix (distill --train-shared): the edge reads each "
+                                 "text after it, as ce-lslm-fuse-shared serves.")
     ship: str | None = setting(None, "Also write the compact fuser (open layers, fp16 maps) here.")
 
     def validate(self) -> None:
@@ -106,6 +111,8 @@ class TrainFuserConfig(ModelSettings):
             raise EdgeKVError(f"--max-open must be ≥ 1, got {self.max_open}")
         if self.mapping is not None and not Path(self.mapping).is_file():
             raise EdgeKVError(f"mapping file not found: {self.mapping}")
+        if self.shared is not None and not Path(self.shared).is_dir():
+            raise EdgeKVError(f"shared prefix not found: {self.shared}")
 
 
 def _sharegpt_split(tokenizer, offset: int, count: int, prefix: int, cont: int, end: int | None = None):
@@ -140,6 +147,7 @@ def run_train_fuser(cfg: TrainFuserConfig, progress=None) -> dict:
     teacher = load_model(cfg.cloud, cfg.dtype, device=cfg.device)  # the target is always the cloud's distribution
     cloud = edge if cfg.self_fuse else teacher  # where the fused KV comes from
     check_tokenizers(teacher.tokenizer, edge.tokenizer)
+    shared = SharedPrefix(cfg.shared, edge) if cfg.shared else None
     pairs, _ = layer_pairs(cfg.mapping, cfg.start_layer, cloud.num_layers, edge.num_layers, default=cfg.strategy)
     if not pairs:
         raise EdgeKVError("no layer pairs from --start-layer on")
@@ -161,9 +169,11 @@ def run_train_fuser(cfg: TrainFuserConfig, progress=None) -> dict:
     start = time.perf_counter()
     raw = cfg.map_lr is not None  # the maps train: cache the cloud's hidden states, map them at every step
     examples = prepare(edge, cloud, train_texts, fuser, pair, cfg.top_k, cfg.cache,
-                       on_text=tasks.task("features: training texts", len(train_texts)), teacher=teacher, raw=raw)
+                       on_text=tasks.task("features: training texts", len(train_texts)), teacher=teacher, raw=raw,
+                       shared=shared)
     held = prepare(edge, cloud, gate_texts, fuser, pair, cfg.top_k, cfg.cache,
-                   on_text=tasks.task("features: gate-choice texts", len(gate_texts)), teacher=teacher, raw=raw)
+                   on_text=tasks.task("features: gate-choice texts", len(gate_texts)), teacher=teacher, raw=raw,
+                   shared=shared)
     prepared_s = time.perf_counter() - start
     del teacher, cloud  # training needs the edge alone (raw features are large: free the cloud's memory first)
     deadline = time.perf_counter() + 60 * cfg.minutes
@@ -177,6 +187,7 @@ def run_train_fuser(cfg: TrainFuserConfig, progress=None) -> dict:
         save_translator(fuser.compact(), cfg.ship, *pair)
     tail = [e["held_out_kl"] for e in log if "held_out_kl" in e]
     gates.update({"gate": cfg.gate, "pairs": pairs, "self_fuse": cfg.self_fuse, "maps_trained": raw,
+                  "shared_prefix": shared.describe() if shared is not None else None,
                   "train_texts": len(examples),
                   "train_sources": {s: sum(t.source == s for t in train_texts) for s in ("sharegpt", "xsum")},
                   "gate_texts": len(held), "train_tokens": sum(e.continuation.numel() - 1 for e in examples),

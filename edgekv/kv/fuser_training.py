@@ -10,6 +10,10 @@ With `map_lr` the hidden-state maps train too (end to end with the gates). The c
 un-mapped input hidden states (`raw` features) and each step maps them: the ridge maps are fitted to predict the
 edge's *own* hidden states, so their output is an estimate of KV the edge already has; only a map that learns
 can carry what the cloud knows and the edge does not.
+
+Under a shared prefix (`shared`, for `ce-lslm-fuse-shared`) the edge reads each text after the prefix's K tokens,
+as it does when it serves: its own KV sits at positions K.., the fuser joins the cloud's KV there, and the
+continuation attends to [prefix; fused own KV]. The target is unchanged: the cloud reading the text alone.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from safetensors.torch import load_file
 from edgekv import EdgeKVError
 from edgekv.atomic import write_tensors_atomic
 from edgekv.attention.fuse import enable_fusion
-from edgekv.attention.prefix_kv import PrefixKV, continuation_logits, prefix_kv
+from edgekv.attention.prefix_kv import PrefixKV, continuation_logits, prefill_after, prefix_kv, prepend
 from edgekv.kv.fusers import Fuser
 from edgekv.kv.registry import save_translator
 from edgekv.kv.train_loop import Trainee, example_index, train_loop
@@ -49,6 +53,7 @@ class FuseExample:
     top_ids: torch.Tensor  # (C−1, k)
     top_logp: torch.Tensor  # (C−1, k) the cloud's log-probs of those ids
     hidden: dict[int, torch.Tensor] | None = None  # raw features: mapped edge layer → cloud hidden_in (P, d_cloud)
+    before: PrefixKV | None = None  # the shared prefix the own KV was read after (never cached: one for all texts)
 
     def cloud_kv(self, edge, fuser: Fuser, layers: list[int]) -> dict[int, KVPair]:
         """The translated cloud KV of `layers`: cached, or mapped now from raw features (differentiable)."""
@@ -81,15 +86,15 @@ def _target_key(text: HeldOutText, teacher_fingerprint: str, top_k: int) -> str:
 
 @torch.no_grad()
 def _features(edge, source, text: HeldOutText, fuser: Fuser, top_k: int | None,
-              raw: bool = False) -> dict[str, torch.Tensor]:
-    """Own prefix KV, the source's translated KV (raw: its un-mapped hidden states), and (top_k given) the
-    source's top-k on the continuation."""
+              raw: bool = False, before: PrefixKV | None = None) -> dict[str, torch.Tensor]:
+    """Own prefix KV (read after `before`, when given), the source's translated KV (raw: its un-mapped hidden
+    states), and (top_k given) the source's top-k on the continuation."""
     full = torch.cat([text.prefix, text.continuation])
     p = text.prefix.numel()
     seen = []
     acts = capture(source.model, [full], fuser.features, select=lambda t, n: torch.arange(p),
                    on_output=lambda t, out: seen.append(out.logits[0, p:-1]))
-    own = prefix_kv(edge.model, text.prefix)
+    own = prefix_kv(edge.model, text.prefix) if before is None else prefill_after(edge.model, before, text.prefix)
     out = {"prefix": text.prefix, "continuation": text.continuation}
     if top_k:
         out["top_logp"], out["top_ids"] = top_targets(seen[0], top_k)
@@ -114,26 +119,30 @@ def _targets(teacher, text: HeldOutText, top_k: int) -> dict[str, torch.Tensor]:
     return {"top_ids": top_ids, "top_logp": top_logp}
 
 
-def _example(t: dict[str, torch.Tensor]) -> FuseExample:
+def _example(t: dict[str, torch.Tensor], before: PrefixKV | None = None) -> FuseExample:
     own_layers = sorted({int(n.split(".")[1]) for n in t if n.startswith("own.")})
     cloud_layers = sorted({int(n.split(".")[1]) for n in t if n.startswith("cloud.")})
     hidden = {int(n.split(".")[1]): v for n, v in t.items() if n.startswith("hidden.")}
     return FuseExample(t["prefix"], t["continuation"], [(t[f"own.{i}.k"], t[f"own.{i}.v"]) for i in own_layers],
                        {i: (t[f"cloud.{i}.k"], t[f"cloud.{i}.v"]) for i in cloud_layers}, t["top_ids"], t["top_logp"],
-                       hidden or None)
+                       hidden or None, before)
 
 
 def prepare(edge, cloud, texts: list[HeldOutText], fuser: Fuser, pair: tuple[str, str], top_k: int = 64,
             cache_dir: str | Path | None = None, on_text: Callable[[int], None] | None = None,
-            teacher=None, raw: bool = False) -> list[FuseExample]:
+            teacher=None, raw: bool = False, shared=None) -> list[FuseExample]:
     """One FuseExample per text: features from `cloud` (the source of the fused KV; the edge itself for a
     self-fusion control), targets from `teacher` (default: the source). Both are read from `cache_dir` when
     computed before (atomic safetensors per text: features keyed by the maps and `pair`, targets by the
     teacher's fingerprint), so a self-fusion run reuses the cloud's targets. `raw`: keep the source's
-    un-mapped hidden states instead of translated KV (for training the maps)."""
+    un-mapped hidden states instead of translated KV (for training the maps). `shared` (a `SharedPrefix`): the
+    edge's own KV is read after it (its fingerprint joins the features' key; the targets never depend on it)."""
     teacher = teacher or cloud
     same = teacher is cloud
+    before = shared.prefix if shared is not None else None
     digest = _maps_digest(fuser, pair, top_k, raw) if cache_dir else ""
+    if shared is not None:
+        digest += f"|shared:{shared.fingerprint}"
     out = []
     for n, text in enumerate(texts):
         feat_path = Path(cache_dir) / f"{_key(text, digest)}.safetensors" if cache_dir else None
@@ -141,7 +150,7 @@ def prepare(edge, cloud, texts: list[HeldOutText], fuser: Fuser, pair: tuple[str
                        if cache_dir else None)
         tensors = load_file(str(feat_path)) if feat_path is not None and feat_path.exists() else None
         if tensors is None:
-            tensors = _features(edge, cloud, text, fuser, top_k if same else None, raw)
+            tensors = _features(edge, cloud, text, fuser, top_k if same else None, raw, before)
             if feat_path is not None:
                 write_tensors_atomic(feat_path, tensors)
         if "top_ids" not in tensors or not same:
@@ -151,19 +160,27 @@ def prepare(edge, cloud, texts: list[HeldOutText], fuser: Fuser, pair: tuple[str
                 tensors.update(_targets(teacher, text, top_k))
         if target_path is not None and not target_path.exists():
             write_tensors_atomic(target_path, {k: tensors[k] for k in ("top_ids", "top_logp")})
-        out.append(_example(tensors))
+        out.append(_example(tensors, before))
         if on_text:
             on_text(n + 1)
     return out
 
 
 def fused_continuation(edge, fuser: Fuser, own: list[KVPair], cloud: dict[int, KVPair], prefix_len: int,
-                       continuation: torch.Tensor, layers: list[int] | None = None) -> torch.Tensor:
+                       continuation: torch.Tensor, layers: list[int] | None = None,
+                       before: PrefixKV | None = None) -> torch.Tensor:
     """Edge logits predicting continuation tokens 1..C−1 over its own prefix KV (every layer, (kv_heads, P, d))
-    plus the fuser's work on the cloud KV of `layers` (default: the open hard gates); differentiable in the gates."""
+    plus the fuser's work on the cloud KV of `layers` (default: the open hard gates); differentiable in the gates.
+    With `before` (a shared prefix the own KV was read after) the fuser joins the cloud at the own KV's positions
+    and the continuation reads [before; fused own KV], as a session under that prefix does."""
     enable_fusion(edge.model)
-    override, segments = fuser.fuse(edge.model, dict(enumerate(own)), cloud, layers)
-    prefix = PrefixKV([tuple(t[None] for t in override.get(i, kv)) for i, kv in enumerate(own)], prefix_len, segments)
+    offset = before.next_position if before is not None else 0
+    override, segments = fuser.fuse(edge.model, dict(enumerate(own)), cloud, layers, offset=offset)
+    layers_kv = [tuple(t[None] for t in override.get(i, kv)) for i, kv in enumerate(own)]
+    if before is not None:
+        layers_kv = [prepend(before.layer(i), kv) for i, kv in enumerate(layers_kv)]
+    prefix = PrefixKV(layers_kv, prefix_len + (before.prefix_len if before is not None else 0), segments,
+                      next_position=offset + prefix_len)
     return continuation_logits(edge.model, prefix, continuation[:-1])
 
 
@@ -171,7 +188,7 @@ def fused_logits(edge, fuser: Fuser, ex: FuseExample, layers: list[int] | None =
     """`fused_continuation` of one cached training example."""
     layers = fuser.open_layers() if layers is None else layers
     return fused_continuation(edge, fuser, ex.own, ex.cloud_kv(edge, fuser, layers), ex.prefix.numel(),
-                              ex.continuation, layers)
+                              ex.continuation, layers, ex.before)
 
 
 def nll(logits: torch.Tensor, ex: FuseExample) -> torch.Tensor:
