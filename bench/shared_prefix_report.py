@@ -7,6 +7,8 @@ system prompt).
         [--held-out-source RUN_DIR]   # edgeprompt-shared there: a prefix trained without that source
         [--variant NAME=RUN_DIR ...]  # edgeprompt-shared there under another prefix (e.g. k64): edgeprompt-shared@NAME
         [--against NAME]              # the variants' contrasts against variant NAME (a control), not the shipped prefix
+        [--fuser NAME=RUN_DIR ...]    # ce-lslm-fuse-shared there with another fuser (e.g. one trained under the
+                                      # prefix): fuse-shared@NAME, against fuse-shared and edgeprompt-shared
         [--exclude DATASET:ID ...]    # a request left out of every cell (one some condition's training text holds)
         [--request DATASET:ID ...]    # that request's Δ vs EdgePrompt under every condition (a rule that names it)
         [--only CONDITION ...]        # only these conditions (and the cloud, the gaps' ceiling): the requests all of
@@ -64,6 +66,7 @@ BESIDE = (HELD_OUT, "notes", "prefix-sft", "oracle-kv", "distill-c8-shared-recal
           "distill-c2-shared", "edgeprompt-shared-int2", "distill-shared-int2", "distill-shared-qat-int2",
           "distill-shared-qat-s96-int2", "selfdistill-shared-qat-int2", "fuse-shared")
 VARIANT = "edgeprompt-shared@"  # a --variant's condition: edgeprompt-shared under another prefix, VARIANT + NAME
+FUSER = "fuse-shared@"  # a --fuser's condition: ce-lslm-fuse-shared with another fuser, FUSER + NAME
 SHARED = Spec(CONDITIONS, CONTRASTS, {f"gap_closed_by_{c}": c for c in SHIPPED + BESIDE}, REFERENCE)
 
 
@@ -153,6 +156,15 @@ def with_variants(spec: Spec, names: list[str], against: str | None = None) -> S
                    gaps={**spec.gaps, **{f"gap_closed_by_{c}": c for c in added}})
 
 
+def with_fusers(spec: Spec, names: list[str]) -> Spec:
+    """`spec` plus one condition per --fuser (the fuse export under the prefix with another fuser), its gap share,
+    and its paired contrasts with the shipped fuser under the prefix and with the prefix alone."""
+    added = {FUSER + n: FUSER + n for n in names}
+    contrasts = {f"{c} - {b}": (c, b) for c in added for b in ("fuse-shared", "edgeprompt-shared")}
+    return replace(spec, conditions={**spec.conditions, **added}, contrasts={**spec.contrasts, **contrasts},
+                   gaps={**spec.gaps, **{f"gap_closed_by_{c}": c for c in added}})
+
+
 def only(spec: Spec, names: list[str]) -> Spec:
     """`spec` reduced to the conditions `names` and the cloud (the gaps' ceiling), with the contrasts and gap
     shares among them."""
@@ -181,6 +193,8 @@ def main() -> None:
                     help="a run of edgeprompt-shared under another prefix, reported as edgeprompt-shared@NAME")
     ap.add_argument("--against", default=None, metavar="NAME",
                     help="contrast the variants with variant NAME (a control) instead of the shipped prefix")
+    ap.add_argument("--fuser", action="append", default=[], metavar="NAME=RUN_DIR",
+                    help="a run of ce-lslm-fuse-shared with another fuser, reported as fuse-shared@NAME")
     ap.add_argument("--gated", default=None, metavar="NAME",
                     help="the gated runs read variant NAME's prefix: split the gate's requests by its rows")
     ap.add_argument("--exclude", action="append", default=[], metavar="DATASET:ID",
@@ -197,9 +211,14 @@ def main() -> None:
     if args.held_out_source is not None:
         runs.append(args.held_out_source)
         relabel[args.held_out_source] = {"edgeprompt-shared": HELD_OUT}
-    variants = [v.partition("=") for v in args.variant]
+    variants, fusers = [v.partition("=") for v in args.variant], [v.partition("=") for v in args.fuser]
     if any(not name or not run for name, _, run in variants):
         ap.error("--variant takes NAME=RUN_DIR")
+    if any(not name or not run for name, _, run in fusers):
+        ap.error("--fuser takes NAME=RUN_DIR")
+    for name, _, run in fusers:
+        runs.append(Path(run))
+        relabel[Path(run)] = {"ce-lslm-fuse-shared": FUSER + name}
     for name, _, run in variants:
         runs.append(Path(run))
         relabel[Path(run)] = {"edgeprompt-shared": VARIANT + name}
@@ -207,7 +226,8 @@ def main() -> None:
     try:
         if args.gated is not None and args.gated not in [name for name, _, _ in variants]:
             raise EdgeKVError(f"--gated {args.gated}: no --variant of that name")
-        spec = with_variants(SHARED, [name for name, _, _ in variants], args.against)
+        spec = with_fusers(with_variants(SHARED, [name for name, _, _ in variants], args.against),
+                           [name for name, _, _ in fusers])
         if args.only:
             spec = only(spec, args.only)
         if args.gated is not None:  # the gate against the prefix it gated, read on every request

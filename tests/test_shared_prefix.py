@@ -623,7 +623,7 @@ def test_report_keeps_a_source_a_strategy_skipped_and_relabels_a_runs_prefix(tmp
     """A strategy run on one source only (oracle-kv on XSum) leaves the other source's requests in the report; the
     same strategy from a run under another prefix (--held-out-source) is its own condition, not a duplicate."""
     from bench.distill_report import write_distill_report
-    from bench.shared_prefix_report import HELD_OUT, SHARED, share_of_oracle, with_variants
+    from bench.shared_prefix_report import HELD_OUT, SHARED, share_of_oracle, with_fusers, with_variants
 
     def run(name: str, rows: list[tuple[str, str, float]]) -> Path:
         d = tmp_path / name
@@ -676,6 +676,15 @@ def test_report_keeps_a_source_a_strategy_skipped_and_relabels_a_runs_prefix(tmp
     assert "edgeprompt-shared@f0 - edgeprompt-shared" not in s["xsum"]
     with pytest.raises(EdgeKVError, match="--against k16"):
         with_variants(SHARED, ["k64"], against="k16")
+    # another fuser under the prefix: its own condition beside the shipped fuser's, against it and the prefix alone
+    base = run("base", [("xsum", "ce-lslm-fuse-shared", 2.85)])
+    fk = run("fk", [("xsum", "ce-lslm-fuse-shared", 2.8)])
+    s = write_distill_report([a, base, fk], tmp_path / "out-fk", spec=with_fusers(SHARED, ["k32"]),
+                             relabel={fk: {"ce-lslm-fuse-shared": "fuse-shared@k32"}})
+    assert s["xsum"]["fuse-shared@k32 - fuse-shared"]["delta_mean"] == pytest.approx(-0.05)
+    assert s["xsum"]["fuse-shared@k32 - edgeprompt-shared"]["delta_mean"] == pytest.approx(-0.1)
+    assert s["xsum"]["gap_closed_by_fuse-shared@k32"]["fraction"] == pytest.approx(0.2)
+    assert s["xsum"]["fuse-shared"]["delta_mean"] == pytest.approx(-0.15)
     from bench.shared_prefix_report import main  # on the command line: one line, no traceback, nothing written
 
     monkeypatch.setattr("sys.argv", ["x", str(tmp_path / "out-g"), str(a), "--variant", f"k64={k}", "--against", "k16"])
