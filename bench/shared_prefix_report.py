@@ -158,9 +158,12 @@ def with_variants(spec: Spec, names: list[str], against: str | None = None) -> S
 
 def with_fusers(spec: Spec, names: list[str]) -> Spec:
     """`spec` plus one condition per --fuser (the fuse export under the prefix with another fuser), its gap share,
-    and its paired contrasts with the shipped fuser under the prefix and with the prefix alone."""
+    and its paired contrasts with the shipped fuser under the prefix, with the prefix alone and with each --fuser
+    named before it (a control given second is contrasted with the fuser it controls)."""
     added = {FUSER + n: FUSER + n for n in names}
-    contrasts = {f"{c} - {b}": (c, b) for c in added for b in ("fuse-shared", "edgeprompt-shared")}
+    fusers = list(added)
+    contrasts = {f"{c} - {b}": (c, b) for i, c in enumerate(added)
+                 for b in ("fuse-shared", "edgeprompt-shared", *fusers[:i])}
     return replace(spec, conditions={**spec.conditions, **added}, contrasts={**spec.contrasts, **contrasts},
                    gaps={**spec.gaps, **{f"gap_closed_by_{c}": c for c in added}})
 

@@ -685,6 +685,14 @@ def test_report_keeps_a_source_a_strategy_skipped_and_relabels_a_runs_prefix(tmp
     assert s["xsum"]["fuse-shared@k32 - edgeprompt-shared"]["delta_mean"] == pytest.approx(-0.1)
     assert s["xsum"]["gap_closed_by_fuse-shared@k32"]["fraction"] == pytest.approx(0.2)
     assert s["xsum"]["fuse-shared"]["delta_mean"] == pytest.approx(-0.15)
+    # a second fuser (a control) is also contrasted with the first, the pair read from the same rows
+    fc = run("fc", [("xsum", "ce-lslm-fuse-shared", 2.83)])
+    s = write_distill_report([a, base, fk, fc], tmp_path / "out-fc", spec=with_fusers(SHARED, ["k32", "ctl"]),
+                             relabel={fk: {"ce-lslm-fuse-shared": "fuse-shared@k32"},
+                                      fc: {"ce-lslm-fuse-shared": "fuse-shared@ctl"}})
+    assert s["xsum"]["fuse-shared@ctl - fuse-shared@k32"]["delta_mean"] == pytest.approx(0.03)
+    assert s["xsum"]["fuse-shared@ctl - fuse-shared"]["delta_mean"] == pytest.approx(-0.02)
+    assert "fuse-shared@k32 - fuse-shared@ctl" not in s["xsum"]
     from bench.shared_prefix_report import main  # on the command line: one line, no traceback, nothing written
 
     monkeypatch.setattr("sys.argv", ["x", str(tmp_path / "out-g"), str(a), "--variant", f"k64={k}", "--against", "k16"])
