@@ -234,7 +234,7 @@ def test_load_curves(tiny_models, data, align_dir, tmp_path):
 
 
 def test_ce_lslm_fuse_with_shut_gates_answers_as_the_edge_alone_with_or_without_a_prefix(
-        tiny_models, data, align_dir, tmp_path):
+        tiny_models, data, align_dir, tmp_path, monkeypatch):
     import torch
 
     from edgekv.kv.fusers import BiasFuser
@@ -272,8 +272,10 @@ def test_ce_lslm_fuse_with_shut_gates_answers_as_the_edge_alone_with_or_without_
                   fuser_path=str(tmp_path / "fuser"), quant="fp16", prune_ratio=0.0)
     with pytest.raises(EdgeKVError, match="needs shared"):
         _cfg(tiny_models, data, align_dir, tmp_path / "y", **shared).validate()
+    seen = watch_rows(monkeypatch, tmp_path / "under")
     run_eval(_cfg(tiny_models, data, align_dir, tmp_path / "under", shared=str(tmp_path / "k3"), **shared),
              models=(cloud, edge))
+    assert seen == [(n, []) for n in range(1, 5)]  # no session, fused or under a prefix, waits for the collector
     rows = read_results(tmp_path / "under" / "results.jsonl")
     by = {(r["strategy"], r["id"]): r for r in rows}
     assert len(rows) == 4
@@ -282,6 +284,70 @@ def test_ce_lslm_fuse_with_shut_gates_answers_as_the_edge_alone_with_or_without_
             ep = by[("edgeprompt-shared", r["id"])]
             assert r["answer"] == ep["answer"] and r["system_tokens"] == ep["system_tokens"]
             assert r["ref_nll"] == pytest.approx(ep["ref_nll"], abs=1e-4) and r["bytes_cloud_to_edge"] > 0
+
+
+SESSION_TYPES = ("EdgeSession", "SystemKV", "Engine", "LayerLoader", "PrefixKV")
+
+
+def cyclic_sessions() -> list[str]:
+    """The sessions (and what holds their KV) that only the cyclic collector would free, freeing them."""
+    import gc
+
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        found = sorted(type(o).__name__ for o in gc.garbage if type(o).__name__ in SESSION_TYPES)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.collect()
+    return found
+
+
+def watch_rows(monkeypatch, out) -> list:
+    """After each eval row: (rows on disk, sessions left in reference cycles); the heap trim it replaces must come
+    after the row is written."""
+    import edgekv.eval.eval_job as job
+
+    seen = []
+    monkeypatch.setattr(job, "trim_heap", lambda: seen.append((len(read_results(out / "results.jsonl")),
+                                                               cyclic_sessions())))
+    cyclic_sessions()  # what earlier tests left
+    return seen
+
+
+def test_each_request_is_freed_and_the_heap_trimmed_after_its_row(tiny_models, data, align_dir, tmp_path,
+                                                                  monkeypatch):
+    # a real eval held +2.7 GB a request until the OOM killer, live tensors flat: each finished session sat in
+    # reference cycles (prefix ↔ its layers, the engine's callbacks, the loader's fallbacks) that the cyclic
+    # collector, which counts objects not bytes, seldom ran for; and glibc kept the freed heap
+    out = tmp_path / "run"
+    seen = watch_rows(monkeypatch, out)
+    strategies = ["edge-only", "edgeprompt", "ce-lslm", "cloud-only", "edge-naive"]
+    run_eval(_cfg(tiny_models, data, align_dir, out, strategies=strategies, datasets=["xsum"]))
+    assert seen == [(n, []) for n in range(1, 2 * len(strategies) + 1)]
+
+
+def test_a_prefix_is_freed_without_the_cyclic_collector_and_its_layers_say_so_after():
+    import gc
+    import weakref
+
+    import torch
+
+    from edgekv.attention.prefix_kv import PrefixKV
+
+    kv = torch.zeros(1, 2, 3, 4)
+    prefix = PrefixKV([(kv, kv)] * 2, 3)
+    layers, alive = list(prefix.layers), weakref.ref(prefix)
+    assert torch.equal(layers[1].keys, kv)
+    gc.disable()
+    try:
+        del prefix
+        assert alive() is None  # no cycle through its layers
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError, match="outlived its PrefixKV"):
+        layers[0].keys
 
 
 def test_paired_differences_to_edge_only():

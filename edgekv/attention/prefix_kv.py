@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -125,7 +126,17 @@ class PrefixLayer(CacheLayerMixin):
 
     def __init__(self, prefix: PrefixKV, index: int):
         super().__init__()
-        self.prefix, self.index, self.is_initialized = prefix, index, True
+        # a weak reference: a strong one is a cycle (prefix → layers → prefix) that only the cyclic collector frees,
+        # and it runs by object counts, not bytes, so an eval's finished sessions (GBs each) piled up until OOM
+        self._prefix, self.index, self.is_initialized = weakref.ref(prefix), index, True
+
+    @property
+    def prefix(self) -> PrefixKV:
+        """The prefix this layer reads (alive as long as whoever holds the layer holds the prefix)."""
+        prefix = self._prefix()
+        if prefix is None:
+            raise RuntimeError("a PrefixLayer outlived its PrefixKV: keep the PrefixKV, not only its layers")
+        return prefix
 
     @property
     def keys(self) -> torch.Tensor:

@@ -145,6 +145,9 @@ class Engine:
             while self._advance(wait=False):
                 collect(False)
         collect(True)
+        # on_event's closure holds itself (a follow-up resubmits through it) and this engine: a cycle that keeps the
+        # engine and its system KV alive until the cyclic collector runs, so every request is done: cut it
+        on_event = None  # noqa: F841
         return results
 
     def load(self) -> dict[str, int]:

@@ -171,6 +171,9 @@ class LayerLoader:
                 self.on_loaded(blobs)
             except Exception as exc:  # a copy that cannot be written is a lost convenience, not an error
                 log.warning("could not keep a local copy of the export: %s", exc)
+        # every layer is resolved: the callbacks (bound methods of the system KV that holds this loader) are done
+        # with, and kept they are a cycle that holds the whole system KV until the cyclic collector runs
+        self.fallbacks, self.on_loaded = [], None
 
     def _finish(self, i: int, keys: torch.Tensor, values: torch.Tensor) -> KVPair:
         keys, values = keys.to(self.dtype)[None].contiguous(), values.to(self.dtype)[None].contiguous()
