@@ -79,3 +79,33 @@ def edge_prefix(edge, path, tokens: int):
                         {"steps": 0})
     return SharedPrefix(path, edge)
 
+
+SESSION_TYPES = ("EdgeSession", "SystemKV", "Engine", "LayerLoader", "PrefixKV")
+
+
+def cyclic_sessions() -> list[str]:
+    """The sessions (and what holds their KV) that only the cyclic collector would free, freeing them."""
+    import gc
+
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        found = sorted(type(o).__name__ for o in gc.garbage if type(o).__name__ in SESSION_TYPES)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.collect()
+    return found
+
+
+def watch_rows(monkeypatch, out) -> list:
+    """After each eval row: (rows on disk, sessions left in reference cycles); the heap trim it replaces must come
+    after the row is written."""
+    import edgekv.eval.eval_job as job
+    from edgekv.eval.runs import read_results
+
+    seen = []
+    monkeypatch.setattr(job, "trim_heap", lambda: seen.append((len(read_results(out / "results.jsonl")),
+                                                               cyclic_sessions())))
+    cyclic_sessions()  # what earlier tests left
+    return seen

@@ -19,7 +19,7 @@ from edgekv.eval.eval_config import EvalConfig
 from edgekv.eval.eval_job import run_eval
 from edgekv.eval.metrics import accuracy, lcs_length, rouge_l, upload_ratio
 from edgekv.eval.runs import read_results
-from tests.helpers import ARTICLE, byte_tokenizer
+from tests.helpers import ARTICLE, byte_tokenizer, watch_rows
 
 runner = CliRunner()
 
@@ -286,36 +286,6 @@ def test_ce_lslm_fuse_with_shut_gates_answers_as_the_edge_alone_with_or_without_
             assert r["ref_nll"] == pytest.approx(ep["ref_nll"], abs=1e-4) and r["bytes_cloud_to_edge"] > 0
 
 
-SESSION_TYPES = ("EdgeSession", "SystemKV", "Engine", "LayerLoader", "PrefixKV")
-
-
-def cyclic_sessions() -> list[str]:
-    """The sessions (and what holds their KV) that only the cyclic collector would free, freeing them."""
-    import gc
-
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
-        gc.collect()
-        found = sorted(type(o).__name__ for o in gc.garbage if type(o).__name__ in SESSION_TYPES)
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-        gc.collect()
-    return found
-
-
-def watch_rows(monkeypatch, out) -> list:
-    """After each eval row: (rows on disk, sessions left in reference cycles); the heap trim it replaces must come
-    after the row is written."""
-    import edgekv.eval.eval_job as job
-
-    seen = []
-    monkeypatch.setattr(job, "trim_heap", lambda: seen.append((len(read_results(out / "results.jsonl")),
-                                                               cyclic_sessions())))
-    cyclic_sessions()  # what earlier tests left
-    return seen
-
-
 def test_each_request_is_freed_and_the_heap_trimmed_after_its_row(tiny_models, data, align_dir, tmp_path,
                                                                   monkeypatch):
     # a real eval held +2.7 GB a request until the OOM killer, live tensors flat: each finished session sat in
@@ -528,7 +498,8 @@ def test_load_rows_are_reused_only_under_the_same_load_settings(tmp_path):
     assert reusable_load(tmp_path, cfg) == []
 
 
-def test_distilled_strategies_run_and_truncate_is_edgeprompt_of_the_head(tiny_models, data, align_dir, tmp_path):
+def test_distilled_strategies_run_and_truncate_is_edgeprompt_of_the_head(tiny_models, data, align_dir, tmp_path,
+                                                                       monkeypatch):
     distill = tmp_path / "distill.yaml"
     distill.write_text("distill:\n  queries: 4\n  max_answer_tokens: 6\n  steps: 2\n  eval_every: 1\n  quant: fp32\n")
     strategies = ["edgeprompt", "ce-lslm-distill", "ce-lslm-distill@c4", "edgeprompt-selfdistill@c4",
@@ -543,11 +514,13 @@ def test_distilled_strategies_run_and_truncate_is_edgeprompt_of_the_head(tiny_mo
     with pytest.raises(EdgeKVError, match=":qat trains through a codec"):
         _cfg(tiny_models, data, align_dir, tmp_path / "x", strategies=["ce-lslm-distill:qat@c4"]).validate()
     out = tmp_path / "run"
+    seen = watch_rows(monkeypatch, out)
     run_eval(_cfg(tiny_models, data, align_dir, out, strategies=strategies, datasets=["xsum"],
                   distill_config=str(distill)))
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     by = {(r["strategy"], r["id"]): r for r in rows}
     assert {r["strategy"] for r in rows} == set(strategies)
+    assert seen == [(n, []) for n in range(1, len(rows) + 1)]  # no session waits for the cyclic collector
     for r in rows:
         if r["strategy"] != "edgeprompt":
             assert r["cloud_s"] > 0 and r["bytes_cloud_to_edge"] > 0 and r["ref_nll"] is not None

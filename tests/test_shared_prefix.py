@@ -30,7 +30,7 @@ from edgekv.models.loading import load_model
 from edgekv.models.targets import mean_kl
 from edgekv.serve.sampling import SamplingParams
 from edgekv.serve.session import EdgeSession
-from tests.helpers import PROMPT, make_export
+from tests.helpers import PROMPT, make_export, watch_rows
 
 runner = CliRunner()
 INSTRUCTIONS = ["\nSay what the text above is about.\nAnswer:", "\nContinue the text above.\n"]
@@ -360,7 +360,7 @@ def test_k0_compress_is_edgeprompt_exactly(pair, tiny_models, tmp_path):
             assert torch.equal(t, under.layer(i)[name]) and torch.equal(t, gated.layer(i)[name])
 
 
-def test_eval_edgeprompt_shared(pair, tiny_models, prompts, tmp_path):
+def test_eval_edgeprompt_shared(pair, tiny_models, prompts, tmp_path, monkeypatch):
     from edgekv.eval.eval_config import EvalConfig
     from edgekv.eval.eval_job import run_eval
 
@@ -383,10 +383,11 @@ def test_eval_edgeprompt_shared(pair, tiny_models, prompts, tmp_path):
                       models=(cloud, edge))["shared"]["out"]
     with pytest.raises(EdgeKVError, match="needs shared_sft"):
         EvalConfig(**cfg, shared=shared).validate()
+    seen = watch_rows(monkeypatch, tmp_path / "run")
     run_eval(EvalConfig(**cfg, shared=shared, shared_sft=sft), models=(cloud, edge))
     rows = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
     by = {(r["strategy"], r["id"]): r for r in rows}
-    assert len(rows) == 20
+    assert len(rows) == 20 and seen == [(n, []) for n in range(1, 21)]  # no session waits for the cyclic collector
     for (s, i), r in by.items():
         if s == "oracle-kv":  # trained on the request's own reference: a bound, its cloud seconds counted
             assert r["cloud_s"] > 0 and r["ref_nll"] != by[("edgeprompt", i)]["ref_nll"]
