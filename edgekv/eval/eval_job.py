@@ -134,8 +134,8 @@ def run_eval(cfg: EvalConfig, progress=None, models=None) -> dict:
             f.flush()
             rows.append(row)
             advance()
-            # a request's export, cloud forward and session free gigabytes that glibc keeps (measured: RSS +2.7 GB a
-            # request until the OOM killer, though live tensors stayed flat); each row's rss_mb is then its own
+            # glibc keeps what a request's export, cloud forward and session freed (measured on the real pair: RSS
+            # 0.6 GB higher without this); each row's rss_mb is then its own, not the heap's high-water mark
             trim_heap()
     order = {(d, r.id): (i, k) for i, d in enumerate(cfg.datasets) for k, r in enumerate(requests[d])
              if in_shard(groups[d][k], cfg.shard)}
