@@ -146,7 +146,7 @@ class Engine:
                 collect(False)
         collect(True)
         # on_event's closure holds itself (a follow-up resubmits through it) and this engine: a cycle that keeps the
-        # engine and its system KV alive until the cyclic collector runs, so every request is done: cut it
+        # engine and its system KV alive until the cyclic collector runs. Every request is done, so cut it here
         on_event = None  # noqa: F841
         return results
 
