@@ -262,3 +262,38 @@ def test_a_follow_up_that_cannot_be_queued_ends_its_place_with_the_error(edge, e
     got = engine.generate_all(first, follow=follow)
     assert got[0].finish_reason == "error" and "context" in got[0].error
     assert got[1].finish_reason in ("length", "stop") and got[1].prompt_tokens == len("more text here")
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_a_caller_that_raises_leaves_no_cycle_holding_the_engine(edge, export, tmp_path):
+    """generate_all whose progress callback raises after the last request (a Ctrl-C in the eval's bar), with
+    follow-ups resubmitted on the way: the engine and its session are freed by reference counting alone, with no
+    reference cycle left for the cyclic collector."""
+    from tests.helpers import cyclic_sessions
+
+    session = EdgeSession(edge, str(export), cache_dir=tmp_path / "c")
+    engine = session.engine(max_batch=4, background=False)
+    reqs = [GenRequest(session.encode_user(u), SamplingParams(max_new_tokens=2)) for u in ("a", "b", "c")]
+    more = GenRequest(session.encode_user("more"), SamplingParams(max_new_tokens=2))
+    follow_ups, done = [], []
+
+    def follow(n, result):
+        if n == 1 and not follow_ups:  # one place is resubmitted through its handler
+            follow_ups.append(n)
+            return more
+        return None
+
+    def on_done():
+        done.append(1)
+        if len(done) == 3:  # the last request
+            raise _Stop
+
+    cyclic_sessions()  # what earlier tests left
+    with pytest.raises(_Stop):
+        engine.generate_all(reqs, on_done=on_done, follow=follow)
+    assert follow_ups == [1] and engine.load() == {"waiting": 0, "running": 0}
+    del engine, session
+    assert cyclic_sessions() == []

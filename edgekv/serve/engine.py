@@ -18,7 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -114,24 +114,8 @@ class Engine:
         it joins the running batch at once, and its result stands in place n instead."""
         results: list[Result | None] = [None] * len(reqs)
         finished = threading.Semaphore(0)
-
-        def on_event(n: int):
-            def handle(kind: str, payload) -> None:
-                if kind == "done":
-                    after = follow(n, payload) if follow and payload.finish_reason not in ("error", "cancelled") \
-                        else None
-                    if after is not None:
-                        try:
-                            self.submit(after, on_event(n))
-                            return
-                        except EdgeKVError as exc:  # the place ends with the error (never a wait that never ends)
-                            payload = replace(payload, finish_reason="error", error=str(exc))
-                    results[n] = payload
-                    finished.release()
-            return handle
-
         for n, req in enumerate(reqs):
-            self.submit(req, on_event(n))
+            self.submit(req, _Place(self, n, results, finished, follow))
         pending = len(reqs)
 
         def collect(block: bool) -> None:
@@ -145,9 +129,6 @@ class Engine:
             while self._advance(wait=False):
                 collect(False)
         collect(True)
-        # on_event's closure holds itself (a follow-up resubmits through it) and this engine: a cycle that keeps the
-        # engine and its system KV alive until the cyclic collector runs. Every request is done, so cut it here
-        on_event = None  # noqa: F841
         return results
 
     def load(self) -> dict[str, int]:
@@ -318,3 +299,30 @@ class Engine:
             seq.on_event("done", result)
         except Exception:  # a caller's callback must never take the engine down
             log.exception("request callback failed")
+
+
+@dataclass(eq=False)
+class _Place:
+    """Where one of generate_all's requests lands: its result, or a follow-up resubmitted through this same handler.
+    An object rather than a closure, because a closure that resubmits itself is a reference cycle that held the
+    engine and its system KV until the cyclic collector ran (on every path, a caller's exception included)."""
+
+    engine: Engine
+    n: int
+    results: list
+    finished: threading.Semaphore
+    follow: Callable[[int, Result], GenRequest | None] | None
+
+    def __call__(self, kind: str, payload) -> None:
+        if kind != "done":
+            return
+        after = self.follow(self.n, payload) if self.follow and payload.finish_reason not in ("error", "cancelled") \
+            else None
+        if after is not None:
+            try:
+                self.engine.submit(after, self)
+                return
+            except EdgeKVError as exc:  # the place ends with the error (never a wait that never ends)
+                payload = replace(payload, finish_reason="error", error=str(exc))
+        self.results[self.n] = payload
+        self.finished.release()
