@@ -217,6 +217,7 @@ class SystemKV(PrefixKV):
             self._own = self._prompt_kv()
         return self._own
 
+    @torch.no_grad()  # prefill_after is differentiable for training: served, it built a graph the KV then held
     def _prompt_kv(self) -> list[KVPair]:
         """The edge's own prefill of the system prompt, every layer (after the shared prefix, when there is one)."""
         if self.shared is None:
