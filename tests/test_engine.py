@@ -10,7 +10,7 @@ from edgekv.attention.relay import RelayBatch, relay_attention
 from edgekv.serve.requests import EngineBusy, GenRequest
 from edgekv.serve.sampling import SamplingParams
 from edgekv.serve.session import EdgeSession
-from tests.helpers import USERS, make_export
+from tests.helpers import USERS, cyclic_sessions, make_export
 
 PROMPTS = USERS + ["User: a much longer question about caches, layers, heads and the way the edge decodes " * 2,
                    "Hi", "User: 12345"]
@@ -272,8 +272,6 @@ def test_a_caller_that_raises_leaves_no_cycle_holding_the_engine(edge, export, t
     """generate_all whose progress callback raises after the last request (a Ctrl-C in the eval's bar), with
     follow-ups resubmitted on the way: the engine and its session are freed by reference counting alone, with no
     reference cycle left for the cyclic collector."""
-    from tests.helpers import cyclic_sessions
-
     session = EdgeSession(edge, str(export), cache_dir=tmp_path / "c")
     engine = session.engine(max_batch=4, background=False)
     reqs = [GenRequest(session.encode_user(u), SamplingParams(max_new_tokens=2)) for u in ("a", "b", "c")]

@@ -132,8 +132,8 @@ def test_the_edge_alone_reads_prefix_then_prompt(pair, prompts, tmp_path):
 
 
 def test_a_session_under_the_prefix_holds_no_autograd_graph(tiny_models, tmp_path):
-    """A freshly loaded edge's parameters require grad (training freezes them only while it runs): the session's own
-    prefill after the prefix must still build no graph, which its KV would keep alive with every activation, and
+    """A freshly loaded edge's parameters require grad (until a training freezes them): the session's own prefill
+    after the prefix must still build no graph, which its KV would keep alive with every activation, and
     which sent it down the slower attention path (measured on the real pair: +0.08 s at a session's start)."""
     edge = load_model(tiny_models["edge"], "float32")
     assert all(p.requires_grad for p in edge.model.parameters())
