@@ -24,6 +24,7 @@ from edgekv.distill import synthetic
 from edgekv.distill.distill_job import DistillConfig, run_distill
 from edgekv.distill.shared import init_ids, label_samples, prompt_labels, reply_samples, text_sample
 from edgekv.distill.student import sample_loss
+from edgekv.distill.teacher import BatchedTeacher
 from edgekv.kv.export import KVStoreError
 from edgekv.kv.shared_prefix import SharedPrefix, gate, write_shared_prefix
 from edgekv.models.loading import load_model
@@ -141,6 +142,18 @@ def test_a_session_under_the_prefix_holds_no_autograd_graph(tiny_models, tmp_pat
     assert session.system.prefix_len > 4
     for i in range(edge.num_layers):
         assert not any(t.requires_grad or t.grad_fn is not None for t in session.system.layer(i))
+
+
+def test_a_teacher_under_the_prefix_holds_no_autograd_graph(tiny_models, tmp_path):
+    """The self-teacher's prefill under a prefix (the freshly loaded edge reads the prompt after it) builds no graph
+    either: the same bug as the session's, on the distillation side."""
+    edge = load_model(tiny_models["edge"], "float32")
+    assert all(p.requires_grad for p in edge.model.parameters())
+    ids = torch.tensor(edge.tokenizer(PROMPT)["input_ids"])
+    teacher = BatchedTeacher.of_prompt(edge, ids, edge_prefix(edge, tmp_path / "prefix", 4).prefix)
+    assert teacher.prefix.prefix_len == 4 + ids.numel()
+    for i in range(edge.num_layers):
+        assert not any(t.requires_grad or t.grad_fn is not None for t in teacher.prefix.layer(i))
 
 
 def test_k0_is_edgeprompt_exactly(pair, tiny_models, tmp_path):
