@@ -132,6 +132,11 @@ def test_the_edge_alone_reads_prefix_then_prompt(pair, prompts, tmp_path):
     assert got == seq[len(user):len(user) + len(got)]
 
 
+def _holds_no_graph(kv: PrefixKV, layers: int) -> bool:
+    """No key or value of any layer requires grad or carries an autograd graph."""
+    return not any(t.requires_grad or t.grad_fn is not None for i in range(layers) for t in kv.layer(i))
+
+
 def test_a_session_under_the_prefix_holds_no_autograd_graph(tiny_models, tmp_path):
     """A freshly loaded edge's parameters require grad (until a training freezes them): the session's own prefill
     after the prefix must still build no graph, which its KV would keep alive with every activation, and
@@ -140,8 +145,7 @@ def test_a_session_under_the_prefix_holds_no_autograd_graph(tiny_models, tmp_pat
     assert all(p.requires_grad for p in edge.model.parameters())
     session = EdgeSession(edge, None, system_prompt=PROMPT, shared=edge_prefix(edge, tmp_path / "prefix", 4))
     assert session.system.prefix_len > 4
-    for i in range(edge.num_layers):
-        assert not any(t.requires_grad or t.grad_fn is not None for t in session.system.layer(i))
+    assert _holds_no_graph(session.system, edge.num_layers)
 
 
 def test_a_teacher_under_the_prefix_holds_no_autograd_graph(tiny_models, tmp_path):
@@ -152,8 +156,7 @@ def test_a_teacher_under_the_prefix_holds_no_autograd_graph(tiny_models, tmp_pat
     ids = torch.tensor(edge.tokenizer(PROMPT)["input_ids"])
     teacher = BatchedTeacher.of_prompt(edge, ids, edge_prefix(edge, tmp_path / "prefix", 4).prefix)
     assert teacher.prefix.prefix_len == 4 + ids.numel()
-    for i in range(edge.num_layers):
-        assert not any(t.requires_grad or t.grad_fn is not None for t in teacher.prefix.layer(i))
+    assert _holds_no_graph(teacher.prefix, edge.num_layers)
 
 
 def test_k0_is_edgeprompt_exactly(pair, tiny_models, tmp_path):
