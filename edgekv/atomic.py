@@ -3,13 +3,34 @@
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
-import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from edgekv import EdgeKVError
+
+
+def _fresh(parent: Path, prefix: str, create: Callable[[Path], None]) -> Path:
+    """Create a new, unique path in `parent` with `create`. Unlike `tempfile.mkstemp`/`mkdtemp`, whose 0600/0700 the
+    rename would carry to the output, `os.open`/`os.mkdir` honour the umask, so outputs get the user's usual mode."""
+    for _ in range(100):
+        path = parent / f"{prefix}{secrets.token_hex(6)}"
+        try:
+            create(path)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temp name for {prefix}* in {parent}")
+
+
+def _new_file(path: Path) -> None:
+    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+
+
+def _new_dir(path: Path) -> None:
+    os.mkdir(path, 0o777)
 
 
 @contextmanager
@@ -19,7 +40,7 @@ def staged_dir(target: str | Path) -> Iterator[Path]:
     parent = target.parent if str(target.parent) else Path(".")
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=parent))
+        staging = _fresh(parent, f".{target.name}.tmp-", _new_dir)
     except OSError as exc:
         raise EdgeKVError(f"cannot write output directory {target}: {exc.strerror or exc}") from exc
     try:
@@ -28,7 +49,7 @@ def staged_dir(target: str | Path) -> Iterator[Path]:
         if target.exists():
             if not target.is_dir():
                 raise EdgeKVError(f"output {target} exists and is not a directory")
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=parent))
+            old = _fresh(parent, f".{target.name}.old-", _new_dir)
             os.rename(target, old / "previous")
         try:
             os.rename(staging, target)
@@ -59,13 +80,13 @@ def exclusive(lock_path: str | Path) -> Iterator[None]:
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:
     """Write a file via a temp file in the same directory and an atomic rename."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    tmp = _fresh(path.parent, f".{path.name}.tmp-", _new_file)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
@@ -80,11 +101,12 @@ def write_tensors_atomic(path: str | Path, tensors: dict) -> None:
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    os.close(fd)
+    tmp = _fresh(path.parent, f".{path.name}.tmp-", _new_file)
+    mode = tmp.stat().st_mode & 0o777  # the umask's; safetensors re-creates the file as 0600
     try:
         save_file({name: t.contiguous() for name, t in tensors.items()}, tmp)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise

@@ -353,3 +353,30 @@ def test_catalog_errors_stay_edgekv_errors(tmp_path):
     """A store that cannot be opened is a one-line EdgeKVError, not a library exception."""
     with pytest.raises(EdgeKVError):
         Catalog("nosuchproto://x")
+
+
+# ------------------------------------------------------------------------------------------------ file modes
+
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["022", "027"])
+def test_atomic_outputs_get_the_users_usual_mode(tmp_path, umask):
+    """A file or folder written via temp-and-rename gets the mode a plain write would (the umask's), not the 0600/0700
+    of a private temp file, so an export written by one user can be served by another; no temp is left behind."""
+    import torch
+
+    from edgekv.atomic import staged_dir, write_tensors_atomic, write_text_atomic
+
+    old = os.umask(umask)
+    try:
+        write_text_atomic(tmp_path / "a.json", "{}")
+        write_tensors_atomic(tmp_path / "t.safetensors", {"x": torch.zeros(2)})
+        with staged_dir(tmp_path / "d") as stage:
+            write_text_atomic(stage / "b.json", "{}")
+        with staged_dir(tmp_path / "d") as stage:  # replacing an output takes the same path
+            write_text_atomic(stage / "b.json", "[]")
+    finally:
+        os.umask(old)
+    mode = lambda p: p.stat().st_mode & 0o777  # noqa: E731
+    assert [mode(tmp_path / n) for n in ("a.json", "t.safetensors", "d/b.json")] == [0o666 & ~umask] * 3
+    assert mode(tmp_path / "d") == 0o777 & ~umask
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "d", "t.safetensors"]
+    assert (tmp_path / "d" / "b.json").read_text() == "[]"
