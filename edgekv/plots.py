@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -62,7 +63,7 @@ def loss_curve(log: list[dict], path: str | Path, title: str) -> None:
     right.set_xlabel("step")
     right.set_ylabel("change on held-out texts (nats/token)")
     right.legend()
-    fig.suptitle(title)
+    suptitle(fig, title)
     save_figure(fig, path)
 
 
@@ -83,8 +84,14 @@ def interval_plot(ci: dict[str, dict[str, dict]], path: str | Path, title: str,
         ax.invert_yaxis()
         ax.set_title(f"{source} (n = {ci[source][names[0]]['n']})")
         ax.set_xlabel(xlabel)
-    fig.suptitle(title)
+    suptitle(fig, title)
     save_figure(fig, path)
+
+
+def suptitle(fig, title: str):
+    """Set a figure's title, wrapped to the figure's width: a one-panel forest plot is narrower than its title."""
+    chars = max(20, int(fig.get_figwidth() * 8))  # about 8 characters an inch at the title's 12 pt
+    return fig.suptitle(textwrap.fill(title, chars))
 
 
 def save_figure(fig, path: str | Path) -> None:

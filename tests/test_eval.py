@@ -646,3 +646,17 @@ def test_the_align_an_eval_runs_first_compares_its_models_in_its_dtype(tiny_mode
     settings = json.loads((made / "config.json").read_text())
     assert (settings["cloud"], settings["edge"], settings["dtype"]) == (tiny_models["cloud"], tiny_models["edge"],
                                                                         "float32")
+
+
+def test_a_long_figure_title_is_wrapped_inside_the_figure():
+    """A one-panel forest plot (5.5 in) is narrower than the report's title: the title wraps and stays on the page."""
+    import matplotlib.pyplot as plt
+
+    from edgekv.plots import suptitle
+
+    fig = plt.figure(figsize=(5.5, 3))
+    text = suptitle(fig, "reference NLL vs EdgePrompt's exact KV (and contrasts), paired, 95 % bootstrap")
+    fig.canvas.draw()
+    box = text.get_window_extent()
+    plt.close(fig)
+    assert "\n" in text.get_text() and box.x0 >= 0 and box.x1 <= fig.bbox.width
