@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import textwrap
 from pathlib import Path
 
@@ -10,6 +11,8 @@ import matplotlib
 matplotlib.use("Agg")  # headless: files only
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
+
+from edgekv.atomic import write_bytes_atomic  # noqa: E402
 
 
 def similarity_heatmap(
@@ -95,9 +98,9 @@ def suptitle(fig, title: str):
 
 
 def save_figure(fig, path: str | Path) -> None:
-    """Write a figure all-or-nothing (temp file, then rename) and close it."""
+    """Write a figure as PNG all-or-nothing (`write_bytes_atomic`) and close it."""
     fig.tight_layout()
-    tmp = Path(path).with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=120)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
     plt.close(fig)
-    tmp.replace(path)
+    write_bytes_atomic(path, png.getvalue())
